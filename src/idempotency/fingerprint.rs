@@ -1,0 +1,332 @@
+//! Request fingerprints: SHA-256 over method, path, query and body.
+//!
+//! A retry must carry the same request as the original. The fingerprint is
+//! what "the same" means: method, path, query and body, each length-framed
+//! so that no two different requests can produce the same hashed stream.
+//! JSON bodies are canonicalised first (object keys sorted, insignificant
+//! whitespace removed, every value kept exactly — number text included, so
+//! `1` and `1.0` differ), so a client whose serialiser reorders keys still
+//! matches. A body that claims to be JSON but does not parse is hashed as
+//! raw bytes.
+
+use std::fmt;
+use std::io::Write;
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// How a request body is fed into the fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FingerprintMode {
+    /// JSON bodies are canonicalised (keys sorted, whitespace removed,
+    /// values kept exactly); other bodies are hashed as bytes.
+    Json,
+    /// Bodies are always hashed as bytes.
+    Bytes,
+}
+
+/// The SHA-256 fingerprint of a request.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Computes the fingerprint of a request.
+    pub fn compute(
+        mode: FingerprintMode,
+        method: &str,
+        path: &str,
+        query: Option<&str>,
+        content_type: Option<&[u8]>,
+        body: &[u8],
+    ) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idemproxy/fingerprint/v1");
+        frame(&mut h, method.as_bytes());
+        frame(&mut h, path.as_bytes());
+        match query {
+            None => h.update([0u8]),
+            Some(q) => {
+                h.update([1u8]);
+                frame(&mut h, q.as_bytes());
+            }
+        }
+        let canonical = match mode {
+            FingerprintMode::Json if is_json_content_type(content_type) => canonical_json(body),
+            _ => None,
+        };
+        match canonical {
+            Some(c) => {
+                h.update([b'j']);
+                frame(&mut h, &c);
+            }
+            None => {
+                h.update([b'b']);
+                frame(&mut h, body);
+            }
+        }
+        Fingerprint(h.finalize().into())
+    }
+
+    /// Rebuilds a fingerprint from its stored bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Fingerprint)
+    }
+
+    /// The 32 digest bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", hex::encode(&self.0[..8]))
+    }
+}
+
+fn frame(h: &mut Sha256, bytes: &[u8]) {
+    h.update((bytes.len() as u64).to_be_bytes());
+    h.update(bytes);
+}
+
+/// `application/json` or any `type/subtype+json`, parameters ignored.
+pub fn is_json_content_type(content_type: Option<&[u8]>) -> bool {
+    let Some(ct) = content_type.and_then(|c| std::str::from_utf8(c).ok()) else {
+        return false;
+    };
+    let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let Some((ty, sub)) = essence.split_once('/') else {
+        return false;
+    };
+    if ty.is_empty() || sub.is_empty() {
+        return false;
+    }
+    essence == "application/json" || sub.ends_with("+json")
+}
+
+/// The canonical form of a JSON document, or `None` if it does not parse.
+///
+/// Object keys are sorted by their bytes, insignificant whitespace removed,
+/// strings re-escaped the one way serde_json writes them, and numbers kept as
+/// their exact source text (serde_json's `arbitrary_precision`). If an object
+/// repeats a key, the last value wins, as in most JSON parsers.
+pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let mut out = Vec::with_capacity(body.len());
+    write_canonical(&mut out, &value);
+    Some(out)
+}
+
+fn write_canonical(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        // With `arbitrary_precision` a number displays as its source text.
+        Value::Number(n) => {
+            let _ = write!(out, "{n}");
+        }
+        Value::String(s) => write_string(out, s),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(out, item);
+            }
+            out.push(b']');
+        }
+        Value::Object(map) => {
+            // Sort explicitly: the map's own order depends on serde_json
+            // features another crate in the build may turn on.
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.push(b'{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_string(out, k);
+                out.push(b':');
+                write_canonical(out, v);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+fn write_string(out: &mut Vec<u8>, s: &str) {
+    // Serialising a &str to a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const JSON: Option<&[u8]> = Some(b"application/json");
+
+    fn fp(body: &[u8]) -> Fingerprint {
+        Fingerprint::compute(FingerprintMode::Json, "POST", "/v1/p", None, JSON, body)
+    }
+
+    #[test]
+    fn json_key_order_and_whitespace_do_not_matter() {
+        assert_eq!(
+            fp(br#"{"a":1,"b":{"y":[1,2],"x":"s"}}"#),
+            fp(b"{ \"b\" : { \"x\" : \"s\", \"y\" : [ 1 , 2 ] },\n \"a\" : 1 }")
+        );
+    }
+
+    #[test]
+    fn json_number_text_is_kept_exactly() {
+        let one = fp(br#"{"n":1}"#);
+        assert_ne!(one, fp(br#"{"n":1.0}"#));
+        assert_ne!(one, fp(br#"{"n":1e0}"#));
+        assert_ne!(fp(br#"{"n":1.0}"#), fp(br#"{"n":1.00}"#));
+        assert_eq!(
+            canonical_json(br#"[12345678901234567890123, 1.10]"#).unwrap(),
+            br#"[12345678901234567890123,1.10]"#
+        );
+    }
+
+    #[test]
+    fn json_array_order_matters() {
+        assert_ne!(fp(b"[1,2]"), fp(b"[2,1]"));
+    }
+
+    #[test]
+    fn json_string_escapes_are_normalised() {
+        assert_eq!(fp(br#"{"s":"\u0041"}"#), fp(br#"{"s":"A"}"#));
+    }
+
+    #[test]
+    fn invalid_json_is_hashed_as_bytes() {
+        assert_eq!(canonical_json(b"{not json"), None);
+        assert_ne!(fp(b"{not json"), fp(b"{not  json"));
+    }
+
+    #[test]
+    fn non_json_content_type_hashes_bytes() {
+        let a = Fingerprint::compute(
+            FingerprintMode::Json,
+            "POST",
+            "/",
+            None,
+            Some(b"text/plain"),
+            br#"{"a":1,"b":2}"#,
+        );
+        let b = Fingerprint::compute(
+            FingerprintMode::Json,
+            "POST",
+            "/",
+            None,
+            Some(b"text/plain"),
+            br#"{"b":2,"a":1}"#,
+        );
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn bytes_mode_never_canonicalises() {
+        let a = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, JSON, br#"{"a":1,"b":2}"#);
+        let b = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, JSON, br#"{"b":2,"a":1}"#);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn method_path_and_query_are_part_of_the_fingerprint() {
+        let base = Fingerprint::compute(FingerprintMode::Json, "POST", "/a", Some("x=1"), JSON, b"{}");
+        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "PATCH", "/a", Some("x=1"), JSON, b"{}"));
+        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "POST", "/b", Some("x=1"), JSON, b"{}"));
+        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "POST", "/a", Some("x=2"), JSON, b"{}"));
+        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "POST", "/a", None, JSON, b"{}"));
+        // An empty query differs from no query ("/a?" vs "/a").
+        assert_ne!(
+            Fingerprint::compute(FingerprintMode::Json, "POST", "/a", Some(""), JSON, b"{}"),
+            Fingerprint::compute(FingerprintMode::Json, "POST", "/a", None, JSON, b"{}")
+        );
+    }
+
+    #[test]
+    fn framing_prevents_boundary_ambiguity() {
+        let a = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/ab", None, None, b"c");
+        let b = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/a", None, None, b"bc");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn json_content_types_are_recognised() {
+        for ct in ["application/json", "Application/JSON; charset=utf-8", "application/merge-patch+json", "application/vnd.api+json"] {
+            assert!(is_json_content_type(Some(ct.as_bytes())), "{ct}");
+        }
+        for ct in ["text/plain", "application/jsonx", "json", "+json", "application/x-www-form-urlencoded"] {
+            assert!(!is_json_content_type(Some(ct.as_bytes())), "{ct}");
+        }
+        assert!(!is_json_content_type(None));
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| Value::from(n)),
+            "[a-z\\u{e9}\\u{1F600}\"\\\\]{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::btree_map("[a-z]{0,4}", inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Serialises an object with its keys in reverse order and extra spaces,
+    /// as a different client's serialiser might.
+    fn reorder(v: &Value) -> String {
+        match v {
+            Value::Object(m) => {
+                let mut entries: Vec<_> = m.iter().collect();
+                entries.reverse();
+                let parts: Vec<String> = entries
+                    .into_iter()
+                    .map(|(k, v)| format!("{} : {}", serde_json::to_string(k).unwrap(), reorder(v)))
+                    .collect();
+                format!("{{ {} }}", parts.join(" , "))
+            }
+            Value::Array(a) => format!("[ {} ]", a.iter().map(reorder).collect::<Vec<_>>().join(", ")),
+            other => serde_json::to_string(other).unwrap(),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn canonical_form_is_order_insensitive(v in json_value()) {
+            let a = canonical_json(serde_json::to_string(&v).unwrap().as_bytes()).unwrap();
+            let b = canonical_json(reorder(&v).as_bytes()).unwrap();
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn canonicalisation_is_idempotent(v in json_value()) {
+            let once = canonical_json(serde_json::to_string(&v).unwrap().as_bytes()).unwrap();
+            let twice = canonical_json(&once).unwrap();
+            prop_assert_eq!(once, twice);
+        }
+
+        #[test]
+        fn different_values_have_different_canonical_forms(a in json_value(), b in json_value()) {
+            let ca = canonical_json(serde_json::to_string(&a).unwrap().as_bytes()).unwrap();
+            let cb = canonical_json(serde_json::to_string(&b).unwrap().as_bytes()).unwrap();
+            prop_assert_eq!(a == b, ca == cb);
+        }
+
+        #[test]
+        fn canonical_json_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = canonical_json(&bytes);
+        }
+    }
+}
