@@ -189,50 +189,74 @@ mod tests {
     // DESIGN.md §1, row "in flight, lease valid".
     #[test]
     fn in_flight_valid_lease_same_fingerprint_conflicts_with_remaining_lease() {
-        let r = record(RecordState::InFlight { lease_expires_at: t(NOW + 7) });
+        let r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW + 7),
+        });
         assert_eq!(
             decide(&r, &fp(1), t(NOW)),
-            Decision::Conflict { lease_remaining: Duration::from_secs(7) }
+            Decision::Conflict {
+                lease_remaining: Duration::from_secs(7)
+            }
         );
     }
 
     #[test]
     fn in_flight_valid_lease_different_fingerprint_is_a_mismatch() {
-        let r = record(RecordState::InFlight { lease_expires_at: t(NOW + 7) });
+        let r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW + 7),
+        });
         assert_eq!(decide(&r, &fp(2), t(NOW)), Decision::Mismatch);
     }
 
     // Row "in flight, lease expired".
     #[test]
     fn in_flight_expired_lease_same_fingerprint_takes_over_with_next_attempt() {
-        let r = record(RecordState::InFlight { lease_expires_at: t(NOW - 1) });
+        let r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW - 1),
+        });
         assert_eq!(
             decide(&r, &fp(1), t(NOW)),
-            Decision::TakeOver { previous: r.owner, attempt: 2 }
+            Decision::TakeOver {
+                previous: r.owner,
+                attempt: 2
+            }
         );
     }
 
     #[test]
     fn lease_ending_exactly_now_counts_as_expired() {
-        let r = record(RecordState::InFlight { lease_expires_at: t(NOW) });
-        assert!(matches!(decide(&r, &fp(1), t(NOW)), Decision::TakeOver { .. }));
+        let r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW),
+        });
+        assert!(matches!(
+            decide(&r, &fp(1), t(NOW)),
+            Decision::TakeOver { .. }
+        ));
     }
 
     #[test]
     fn in_flight_expired_lease_different_fingerprint_is_a_mismatch() {
-        let r = record(RecordState::InFlight { lease_expires_at: t(NOW - 1) });
+        let r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW - 1),
+        });
         assert_eq!(decide(&r, &fp(2), t(NOW)), Decision::Mismatch);
     }
 
     // Row "completed".
     #[test]
     fn completed_same_fingerprint_replays() {
-        assert_eq!(decide(&record(RecordState::Completed), &fp(1), t(NOW)), Decision::Replay);
+        assert_eq!(
+            decide(&record(RecordState::Completed), &fp(1), t(NOW)),
+            Decision::Replay
+        );
     }
 
     #[test]
     fn completed_different_fingerprint_is_a_mismatch() {
-        assert_eq!(decide(&record(RecordState::Completed), &fp(2), t(NOW)), Decision::Mismatch);
+        assert_eq!(
+            decide(&record(RecordState::Completed), &fp(2), t(NOW)),
+            Decision::Mismatch
+        );
     }
 
     // Row "absent (or expired past retention)".
@@ -241,30 +265,48 @@ mod tests {
         let mut r = record(RecordState::Completed);
         r.expires_at = t(NOW - 1);
         for f in [fp(1), fp(2)] {
-            assert_eq!(decide(&r, &f, t(NOW)), Decision::Reclaim { previous: r.owner });
+            assert_eq!(
+                decide(&r, &f, t(NOW)),
+                Decision::Reclaim { previous: r.owner }
+            );
         }
     }
 
     #[test]
     fn in_flight_past_retention_with_valid_lease_is_not_reclaimed() {
-        let mut r = record(RecordState::InFlight { lease_expires_at: t(NOW + 5) });
+        let mut r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW + 5),
+        });
         r.expires_at = t(NOW - 1);
-        assert!(matches!(decide(&r, &fp(1), t(NOW)), Decision::Conflict { .. }));
+        assert!(matches!(
+            decide(&r, &fp(1), t(NOW)),
+            Decision::Conflict { .. }
+        ));
         assert_eq!(decide(&r, &fp(2), t(NOW)), Decision::Mismatch);
     }
 
     #[test]
     fn in_flight_past_retention_and_lease_is_reclaimed() {
-        let mut r = record(RecordState::InFlight { lease_expires_at: t(NOW - 5) });
+        let mut r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW - 5),
+        });
         r.expires_at = t(NOW - 1);
-        assert_eq!(decide(&r, &fp(2), t(NOW)), Decision::Reclaim { previous: r.owner });
+        assert_eq!(
+            decide(&r, &fp(2), t(NOW)),
+            Decision::Reclaim { previous: r.owner }
+        );
     }
 
     #[test]
     fn attempt_numbers_count_takeovers() {
-        let mut r = record(RecordState::InFlight { lease_expires_at: t(NOW - 1) });
+        let mut r = record(RecordState::InFlight {
+            lease_expires_at: t(NOW - 1),
+        });
         r.attempt = 4;
-        assert!(matches!(decide(&r, &fp(1), t(NOW)), Decision::TakeOver { attempt: 5, .. }));
+        assert!(matches!(
+            decide(&r, &fp(1), t(NOW)),
+            Decision::TakeOver { attempt: 5, .. }
+        ));
     }
 
     #[test]
@@ -283,19 +325,32 @@ mod tests {
 
     #[test]
     fn upstream_unknown_outcome_keeps_the_claim_in_flight() {
-        assert_eq!(settle(UpstreamOutcome::Unknown, &[503]), Settlement::KeepInFlight);
+        assert_eq!(
+            settle(UpstreamOutcome::Unknown, &[503]),
+            Settlement::KeepInFlight
+        );
     }
 
     #[test]
     fn release_on_status_releases_the_claim() {
-        assert_eq!(settle(UpstreamOutcome::Answered(429), &[429, 503]), Settlement::Release);
-        assert_eq!(settle(UpstreamOutcome::Answered(503), &[429, 503]), Settlement::Release);
+        assert_eq!(
+            settle(UpstreamOutcome::Answered(429), &[429, 503]),
+            Settlement::Release
+        );
+        assert_eq!(
+            settle(UpstreamOutcome::Answered(503), &[429, 503]),
+            Settlement::Release
+        );
     }
 
     #[test]
     fn any_other_answer_including_5xx_is_stored() {
         for s in [200, 201, 204, 400, 404, 409, 500, 502, 503] {
-            assert_eq!(settle(UpstreamOutcome::Answered(s), &[429]), Settlement::Complete, "{s}");
+            assert_eq!(
+                settle(UpstreamOutcome::Answered(s), &[429]),
+                Settlement::Complete,
+                "{s}"
+            );
         }
     }
 }

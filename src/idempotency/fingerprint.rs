@@ -94,7 +94,12 @@ pub fn is_json_content_type(content_type: Option<&[u8]>) -> bool {
     let Some(ct) = content_type.and_then(|c| std::str::from_utf8(c).ok()) else {
         return false;
     };
-    let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     let Some((ty, sub)) = essence.split_once('/') else {
         return false;
     };
@@ -231,18 +236,72 @@ mod tests {
 
     #[test]
     fn bytes_mode_never_canonicalises() {
-        let a = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, JSON, br#"{"a":1,"b":2}"#);
-        let b = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, JSON, br#"{"b":2,"a":1}"#);
+        let a = Fingerprint::compute(
+            FingerprintMode::Bytes,
+            "POST",
+            "/",
+            None,
+            JSON,
+            br#"{"a":1,"b":2}"#,
+        );
+        let b = Fingerprint::compute(
+            FingerprintMode::Bytes,
+            "POST",
+            "/",
+            None,
+            JSON,
+            br#"{"b":2,"a":1}"#,
+        );
         assert_ne!(a, b);
     }
 
     #[test]
     fn method_path_and_query_are_part_of_the_fingerprint() {
-        let base = Fingerprint::compute(FingerprintMode::Json, "POST", "/a", Some("x=1"), JSON, b"{}");
-        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "PATCH", "/a", Some("x=1"), JSON, b"{}"));
-        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "POST", "/b", Some("x=1"), JSON, b"{}"));
-        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "POST", "/a", Some("x=2"), JSON, b"{}"));
-        assert_ne!(base, Fingerprint::compute(FingerprintMode::Json, "POST", "/a", None, JSON, b"{}"));
+        let base = Fingerprint::compute(
+            FingerprintMode::Json,
+            "POST",
+            "/a",
+            Some("x=1"),
+            JSON,
+            b"{}",
+        );
+        assert_ne!(
+            base,
+            Fingerprint::compute(
+                FingerprintMode::Json,
+                "PATCH",
+                "/a",
+                Some("x=1"),
+                JSON,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            Fingerprint::compute(
+                FingerprintMode::Json,
+                "POST",
+                "/b",
+                Some("x=1"),
+                JSON,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            Fingerprint::compute(
+                FingerprintMode::Json,
+                "POST",
+                "/a",
+                Some("x=2"),
+                JSON,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            Fingerprint::compute(FingerprintMode::Json, "POST", "/a", None, JSON, b"{}")
+        );
         // An empty query differs from no query ("/a?" vs "/a").
         assert_ne!(
             Fingerprint::compute(FingerprintMode::Json, "POST", "/a", Some(""), JSON, b"{}"),
@@ -259,10 +318,21 @@ mod tests {
 
     #[test]
     fn json_content_types_are_recognised() {
-        for ct in ["application/json", "Application/JSON; charset=utf-8", "application/merge-patch+json", "application/vnd.api+json"] {
+        for ct in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/merge-patch+json",
+            "application/vnd.api+json",
+        ] {
             assert!(is_json_content_type(Some(ct.as_bytes())), "{ct}");
         }
-        for ct in ["text/plain", "application/jsonx", "json", "+json", "application/x-www-form-urlencoded"] {
+        for ct in [
+            "text/plain",
+            "application/jsonx",
+            "json",
+            "+json",
+            "application/x-www-form-urlencoded",
+        ] {
             assert!(!is_json_content_type(Some(ct.as_bytes())), "{ct}");
         }
         assert!(!is_json_content_type(None));
@@ -297,7 +367,10 @@ mod tests {
                     .collect();
                 format!("{{ {} }}", parts.join(" , "))
             }
-            Value::Array(a) => format!("[ {} ]", a.iter().map(reorder).collect::<Vec<_>>().join(", ")),
+            Value::Array(a) => format!(
+                "[ {} ]",
+                a.iter().map(reorder).collect::<Vec<_>>().join(", ")
+            ),
             other => serde_json::to_string(other).unwrap(),
         }
     }

@@ -168,7 +168,10 @@ mod tests {
     fn space_inside_key_is_refused_even_when_quoted() {
         assert!(matches!(
             IdempotencyKey::parse(b"a b", 255),
-            Err(KeyError::InvalidByte { byte: b' ', offset: 1 })
+            Err(KeyError::InvalidByte {
+                byte: b' ',
+                offset: 1
+            })
         ));
         assert!(matches!(
             IdempotencyKey::parse(br#""a b""#, 255),
@@ -194,7 +197,12 @@ mod tests {
 
     #[test]
     fn malformed_quoted_forms_are_refused() {
-        for raw in [&br#""abc"#[..], br#""abc";p=1"#, br#""abc" "def""#, br#""a\x""#] {
+        for raw in [
+            &br#""abc"#[..],
+            br#""abc";p=1"#,
+            br#""abc" "def""#,
+            br#""a\x""#,
+        ] {
             assert_eq!(
                 IdempotencyKey::parse(raw, 255),
                 Err(KeyError::MalformedQuoted),
@@ -206,7 +214,10 @@ mod tests {
 
     #[test]
     fn surrounding_whitespace_is_ignored() {
-        assert_eq!(IdempotencyKey::parse(b"  abc\t", 255).unwrap().as_str(), "abc");
+        assert_eq!(
+            IdempotencyKey::parse(b"  abc\t", 255).unwrap().as_str(),
+            "abc"
+        );
     }
 
     proptest! {

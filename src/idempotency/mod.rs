@@ -8,7 +8,9 @@ pub mod fingerprint;
 pub mod key;
 pub mod tenant;
 
-pub use decision::{decide, settle, Decision, OwnerToken, RecordState, RecordView, Settlement, UpstreamOutcome};
+pub use decision::{
+    decide, settle, Decision, OwnerToken, RecordState, RecordView, Settlement, UpstreamOutcome,
+};
 pub use fingerprint::{Fingerprint, FingerprintMode};
 pub use key::{IdempotencyKey, KeyError};
 pub use tenant::{TenantError, TenantId};

@@ -1,0 +1,357 @@
+//! The `idemproxy` command line.
+//!
+//! Precedence everywhere: flags > environment > configuration file.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::SystemTime;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use sha2::{Digest, Sha256};
+
+use crate::app::{self, ServeOptions};
+use crate::config::{self, Config, Overrides, Secret};
+use crate::metrics::Metrics;
+use crate::store::Store;
+
+/// A reverse-proxy sidecar that makes an HTTP API safe to retry: requests
+/// carrying an Idempotency-Key are executed by the upstream once, and
+/// retries get the original response.
+#[derive(Debug, Parser)]
+#[command(name = "idemproxy", version, propagate_version = true)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Options every subcommand shares.
+#[derive(Debug, Args)]
+pub struct Common {
+    /// Configuration file (TOML). Without it, the built-in defaults apply.
+    #[arg(long, short = 'c', env = "IDEMPROXY_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// PostgreSQL URL; overrides IDEMPROXY_DATABASE_URL and store.database_url.
+    /// Prefer the environment variable: flags are visible in process listings.
+    #[arg(long, value_name = "URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the proxy (applies pending migrations first unless --no-migrate).
+    Serve {
+        #[command(flatten)]
+        common: Common,
+        /// Proxy listen address; overrides server.listen.
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<SocketAddr>,
+        /// Admin listen address; overrides server.admin_listen.
+        #[arg(long, value_name = "ADDR")]
+        admin_listen: Option<SocketAddr>,
+        /// Do not apply migrations at start (run `idemproxy migrate` instead).
+        #[arg(long)]
+        no_migrate: bool,
+    },
+    /// Apply pending database migrations and exit.
+    Migrate {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Validate the configuration: exit 0 if valid, else list every problem and exit 1.
+    CheckConfig {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Run one pass of the retention sweeper and print how many records it deleted.
+    Sweep {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Inspect or release one key's record (for operators in an incident).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+/// `idemproxy keys …`.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Print a key's record: state, attempt, owner, lease, times, stored status and body size.
+    Show {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        target: KeyTarget,
+        /// Also print the stored response body.
+        #[arg(long)]
+        body: bool,
+    },
+    /// Delete an in-flight record so the next retry executes (asks for confirmation).
+    Release {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        target: KeyTarget,
+        /// Do not ask for confirmation.
+        #[arg(long, short = 'y')]
+        yes: bool,
+        /// Also delete a completed record (its next retry executes again).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// Which record.
+#[derive(Debug, Args)]
+pub struct KeyTarget {
+    /// The tenant as the client sends it ("" for none).
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    /// The tenant is a `tenant_hash` route's header value: hash it before looking up.
+    #[arg(long)]
+    pub hash_tenant: bool,
+    /// The idempotency key.
+    #[arg(long)]
+    pub key: String,
+}
+
+impl KeyTarget {
+    fn stored_tenant(&self) -> String {
+        if self.hash_tenant {
+            hex::encode(Sha256::digest(self.tenant.as_bytes()))
+        } else {
+            self.tenant.clone()
+        }
+    }
+}
+
+fn load_config(common: &Common, mut flags: Overrides) -> anyhow::Result<Config> {
+    flags.database_url = common.database_url.clone().map(Secret::new);
+    let env = config::env_overrides(|k| std::env::var(k).ok());
+    let overrides = Overrides::merge(env, flags);
+    let result = match &common.config {
+        Some(path) => config::load(path, &overrides),
+        None => config::parse("", "<defaults>", &overrides),
+    };
+    result.map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))
+}
+
+/// Runs the parsed command line.
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve {
+            common,
+            listen,
+            admin_listen,
+            no_migrate,
+        } => {
+            let config = load_config(
+                &common,
+                Overrides {
+                    listen,
+                    admin_listen,
+                    ..Overrides::default()
+                },
+            )?;
+            let running = app::start(
+                config,
+                ServeOptions {
+                    migrate: !no_migrate,
+                    sweeper: true,
+                },
+            )
+            .await?;
+            shutdown_signal().await;
+            tracing::info!("shutting down: draining in-flight requests");
+            running.shutdown().await;
+            tracing::info!("stopped");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Migrate { common } => {
+            let config = load_config(&common, Overrides::default())?;
+            let store = Store::new(&config.store)?;
+            let applied = store.migrate().await.context("migrating the database")?;
+            if applied.is_empty() {
+                println!("schema is current");
+            } else {
+                println!("applied migrations: {applied:?}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CheckConfig { common } => match load_config(&common, Overrides::default()) {
+            Ok(config) => {
+                println!(
+                    "configuration is valid: {} route(s), upstream {}",
+                    config.routes.len(),
+                    config.upstream.url
+                );
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                Ok(ExitCode::FAILURE)
+            }
+        },
+        Command::Sweep { common } => {
+            let config = load_config(&common, Overrides::default())?;
+            let store = Store::new(&config.store)?;
+            let metrics = Metrics::new();
+            let n = crate::sweeper::sweep_once(&store, &metrics, config.sweeper.batch_size).await?;
+            println!("deleted {n} expired record(s)");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Keys { command } => keys(command).await,
+    }
+}
+
+fn fmt_time(t: Option<SystemTime>) -> String {
+    t.map_or_else(|| "-".into(), |t| httpdate::fmt_http_date(t))
+}
+
+async fn keys(command: KeysCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        KeysCommand::Show { common, target, body } => {
+            let config = load_config(&common, Overrides::default())?;
+            let store = Store::new(&config.store)?;
+            let Some(r) = store.show(&target.stored_tenant(), &target.key, body).await? else {
+                println!("no record for this tenant and key");
+                return Ok(ExitCode::from(3));
+            };
+            let lease = match r.lease_expires_at {
+                Some(l) => match l.duration_since(r.now) {
+                    Ok(d) => format!("{} (valid for {:.1}s)", fmt_time(Some(l)), d.as_secs_f64()),
+                    Err(_) => format!("{} (expired)", fmt_time(Some(l))),
+                },
+                None => "-".into(),
+            };
+            println!("tenant:          {:?}", r.tenant);
+            println!("key:             {}", r.key);
+            println!("state:           {}", r.state);
+            println!("attempt:         {}", r.attempt);
+            println!("owner:           {}", r.owner);
+            println!("fingerprint:     {}", r.fingerprint);
+            println!("lease expires:   {lease}");
+            println!("created:         {}", fmt_time(Some(r.created_at)));
+            println!("completed:       {}", fmt_time(r.completed_at));
+            println!("expires:         {}", fmt_time(Some(r.expires_at)));
+            println!(
+                "response status: {}",
+                r.response_status.map_or_else(|| "-".into(), |s| s.to_string())
+            );
+            let size = match (r.response_body_omitted, r.response_body_len) {
+                (true, _) => "not stored (exceeded max_stored_response)".into(),
+                (false, Some(n)) => format!("{n} bytes"),
+                (false, None) => "-".into(),
+            };
+            println!("response body:   {size}");
+            if let Some(b) = r.response_body {
+                println!();
+                std::io::stdout().write_all(&b)?;
+                println!();
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        KeysCommand::Release {
+            common,
+            target,
+            yes,
+            force,
+        } => {
+            let config = load_config(&common, Overrides::default())?;
+            let store = Store::new(&config.store)?;
+            let tenant = target.stored_tenant();
+            let Some(r) = store.show(&tenant, &target.key, false).await? else {
+                println!("no record for this tenant and key");
+                return Ok(ExitCode::from(3));
+            };
+            if r.state == "completed" && !force {
+                eprintln!(
+                    "refusing: the record is completed (its response is replayed to retries); \
+                     releasing it lets the next retry execute again. Use --force if that is what you want."
+                );
+                return Ok(ExitCode::FAILURE);
+            }
+            if !yes && !confirm(&format!("delete the {} record of key {}? [y/N] ", r.state, r.key))? {
+                println!("nothing deleted");
+                return Ok(ExitCode::FAILURE);
+            }
+            match store.force_release(&tenant, &target.key, force).await? {
+                Some(state) => {
+                    println!("deleted the {state} record; the next request with this key executes");
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => {
+                    eprintln!("nothing deleted: the record changed meanwhile (completed or already gone)");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+    }
+}
+
+fn confirm(prompt: &str) -> anyhow::Result<bool> {
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        anyhow::bail!("confirmation needed but standard input is not a terminal; pass --yes");
+    }
+    print!("{prompt}");
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    stdin.lock().read_line(&mut line)?;
+    Ok(matches!(line.trim(), "y" | "Y" | "yes"))
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Installs the tracing subscriber: `RUST_LOG`-style filter (default
+/// `info`), text or JSON, to standard error.
+pub fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}

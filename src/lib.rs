@@ -1,0 +1,40 @@
+//! idemproxy: a reverse-proxy sidecar that makes a legacy HTTP API safe to
+//! retry. A request carrying an `Idempotency-Key` is executed by the
+//! upstream once; every retry gets the original answer.
+//!
+//! # Layout
+//!
+//! A keyed request walks through the modules in this order:
+//!
+//! * [`server`] accepts the connection (HTTP/1.1 or h2c) and hands the
+//!   request to [`proxy::Proxy`].
+//! * [`proxy`] matches a [`config::Route`], validates the key and tenant
+//!   ([`idempotency::key`], [`idempotency::tenant`]), buffers the body and
+//!   computes its [`idempotency::fingerprint`].
+//! * [`store`] claims `(tenant, key)` in PostgreSQL in one statement, or
+//!   returns the record the key already has; [`idempotency::decision`]
+//!   (pure: no I/O, no clock) decides between replay, 409, 422 and takeover.
+//! * An owned claim is forwarded once by [`proxy::upstream`] while
+//!   [`lease`] renews it; the outcome is settled by the decision module:
+//!   the response is stored (fenced by the owner token), or the claim is
+//!   released, or it is left to expire when the outcome is unknown.
+//! * Every answer the proxy makes itself is built in [`proxy::problem`].
+//!
+//! Around the request path: [`config`] (TOML → validated `Config`),
+//! [`app`] (wiring and drain), [`admin`] and [`metrics`] (health,
+//! readiness, Prometheus), [`sweeper`] (retention), [`cli`] (the
+//! `idemproxy` command), and [`sample_upstream`] (a counting stand-in for a
+//! legacy API, for the quick start and the tests).
+
+pub mod admin;
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod idempotency;
+pub mod lease;
+pub mod metrics;
+pub mod proxy;
+pub mod sample_upstream;
+pub mod server;
+pub mod store;
+pub mod sweeper;

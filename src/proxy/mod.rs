@@ -1,0 +1,720 @@
+//! The request path.
+//!
+//! ```text
+//! request ─ route? ─ no ─────────────────────────────────────── pass through
+//!             │ yes, keyed method
+//!           key header? ─ absent: optional → pass through, required → 400
+//!             │ valid key, tenant
+//!           body (≤ max_request_body, else 413) → fingerprint
+//!             │
+//!           store.claim ── existing → decide: replay │ 409 │ 422 │ take over
+//!             │ claimed / taken over
+//!           forward once, renewing the lease ── settle: complete │ release │ keep
+//! ```
+//!
+//! Everything the proxy answers itself goes through [`problem`].
+
+pub mod headers;
+pub mod problem;
+pub mod upstream;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, EXPECT, HOST};
+use http::{request, response, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use tracing::{info, warn};
+
+use crate::config::{Config, KeyRequirement, OnStoreError, Route};
+use crate::idempotency::decision::retry_after_secs;
+use crate::idempotency::{
+    decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, Settlement, TenantError, TenantId,
+    UpstreamOutcome,
+};
+use crate::lease::LeaseHolder;
+use crate::metrics::{Metrics, Outcome};
+use crate::store::{Claim, ClaimResult, Replace, Store, StoreError, StoredResponse};
+use problem::{Problem, ProblemKind};
+use upstream::{Upstream, UpstreamError};
+
+/// Errors carried by proxied bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// Every body the proxy sends or forwards.
+pub type ProxyBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// A complete, in-memory body.
+pub fn full(bytes: Bytes) -> ProxyBody {
+    Full::new(bytes).map_err(|never| match never {}).boxed()
+}
+
+/// Header added to replayed responses.
+pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// Header carrying the attempt number on keyed forwards.
+pub const ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
+
+/// Who sent a request, and over what.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientInfo {
+    /// The peer address.
+    pub addr: SocketAddr,
+    /// `http` or `https`, for `X-Forwarded-Proto`.
+    pub proto: &'static str,
+}
+
+/// How a request was handled, for the access log and metrics.
+struct Handled {
+    response: Response<ProxyBody>,
+    outcome: Outcome,
+    attempt: Option<i32>,
+}
+
+impl Handled {
+    fn new(response: Response<ProxyBody>, outcome: Outcome) -> Self {
+        Handled {
+            response,
+            outcome,
+            attempt: None,
+        }
+    }
+    fn problem(p: Problem, outcome: Outcome) -> Self {
+        Handled::new(p.into_response(), outcome)
+    }
+}
+
+/// A keyed request, admitted and fingerprinted.
+struct Keyed<'a> {
+    route: &'a Route,
+    key: IdempotencyKey,
+    tenant: TenantId,
+    fingerprint: Fingerprint,
+    parts: request::Parts,
+    body: Bytes,
+    client: ClientInfo,
+}
+
+/// What the upstream exchange of an owned claim produced.
+enum Exchanged {
+    /// A `release_on` status: passed on, not stored.
+    Release(Response<Incoming>),
+    /// A response whose body fits `max_stored_response`.
+    Whole(response::Parts, Bytes),
+    /// A response whose body does not: the prefix read so far and the rest.
+    TooLarge(response::Parts, Bytes, Incoming),
+}
+
+/// The proxy service, shared by every connection.
+pub struct Proxy {
+    config: Arc<Config>,
+    store: Store,
+    upstream: Upstream,
+    metrics: Arc<Metrics>,
+}
+
+impl Proxy {
+    /// Wires the proxy.
+    pub fn new(config: Arc<Config>, store: Store, upstream: Upstream, metrics: Arc<Metrics>) -> Self {
+        Proxy {
+            config,
+            store,
+            upstream,
+            metrics,
+        }
+    }
+
+    /// Handles one request.
+    pub async fn handle(&self, req: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
+        let started = Instant::now();
+        let method = req.method().clone();
+        let path = req.uri().path().to_owned();
+        let route = self
+            .config
+            .route_for(&path)
+            .filter(|r| r.policy.methods.contains(req.method()));
+        let route_label = route.map_or("unrouted", |r| r.name.as_str());
+        let mut key_for_log = None;
+        let handled = match route {
+            None => self.pass_through(req, client).await,
+            Some(route) => match self.admit(route, req, client).await {
+                Admission::PassThrough(req) => self.pass_through(req, client).await,
+                Admission::Refused(h) => h,
+                Admission::Keyed(k) => {
+                    key_for_log = Some(k.key.clone());
+                    self.keyed(k).await
+                }
+            },
+        };
+        self.metrics.request(route_label, handled.outcome);
+        let status = handled.response.status().as_u16();
+        info!(
+            target: "idemproxy::access",
+            %method,
+            path = %path,
+            route = route_label,
+            key = key_for_log.as_ref().map(|k| k.as_str()),
+            attempt = handled.attempt,
+            outcome = handled.outcome.as_str(),
+            status,
+            duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "request"
+        );
+        handled.response
+    }
+
+    /// Validates key and tenant, then reads and fingerprints the body.
+    async fn admit<'a>(&self, route: &'a Route, req: Request<Incoming>, client: ClientInfo) -> Admission<'a> {
+        let policy = &route.policy;
+        let refuse = |kind, detail: String| Admission::Refused(Handled::problem(Problem::new(kind, detail), Outcome::Rejected));
+        let key = {
+            let values: Vec<&HeaderValue> = req.headers().get_all(&policy.key_header).iter().collect();
+            match values.as_slice() {
+                [] => match policy.key {
+                    KeyRequirement::Optional => return Admission::PassThrough(req),
+                    KeyRequirement::Required => {
+                        return refuse(
+                            ProblemKind::MissingKey,
+                            format!("this route requires the {} header", policy.key_header),
+                        )
+                    }
+                },
+                [v] => match IdempotencyKey::parse(v.as_bytes(), policy.max_key_length) {
+                    Ok(k) => k,
+                    Err(e) => return refuse(ProblemKind::InvalidKey, e.to_string()),
+                },
+                _ => return refuse(ProblemKind::InvalidKey, KeyError::Repeated.to_string()),
+            }
+        };
+        let tenant = match &route.tenant_header {
+            None => TenantId::none(),
+            Some(h) => {
+                let values: Vec<&[u8]> = req.headers().get_all(h).iter().map(|v| v.as_bytes()).collect();
+                match TenantId::from_header(h.as_str(), &values, route.tenant_required, route.tenant_hash) {
+                    Ok(t) => t,
+                    Err(e @ TenantError::Missing { .. }) => return refuse(ProblemKind::MissingTenant, e.to_string()),
+                    Err(e) => return refuse(ProblemKind::InvalidTenant, e.to_string()),
+                }
+            }
+        };
+        let limit = self.config.server.max_request_body;
+        let too_large = || {
+            refuse(
+                ProblemKind::RequestTooLarge,
+                format!("keyed request bodies are limited to {limit} bytes; nothing was stored or forwarded"),
+            )
+        };
+        let declared = req
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit) {
+            return too_large();
+        }
+        let (parts, body) = req.into_parts();
+        let body = match Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX)).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
+            Err(e) => {
+                return refuse(
+                    ProblemKind::InvalidRequest,
+                    format!("the request body could not be read: {e}"),
+                )
+            }
+        };
+        let fingerprint = Fingerprint::compute(
+            policy.fingerprint,
+            parts.method.as_str(),
+            parts.uri.path(),
+            parts.uri.query(),
+            parts.headers.get(CONTENT_TYPE).map(|v| v.as_bytes()),
+            &body,
+        );
+        Admission::Keyed(Keyed {
+            route,
+            key,
+            tenant,
+            fingerprint,
+            parts,
+            body,
+            client,
+        })
+    }
+
+    /// The state machine's I/O: claim, decide, and execute or answer.
+    async fn keyed(&self, k: Keyed<'_>) -> Handled {
+        let policy = &k.route.policy;
+        // A claim races other replicas only when a record changes between
+        // our read and our fenced write; each turn re-reads. Bounded so a
+        // pathological flapping key cannot spin.
+        for _ in 0..4 {
+            let owner = crate::idempotency::OwnerToken::mint();
+            let t = Instant::now();
+            let result = self
+                .store
+                .claim(&k.tenant, &k.key, &k.fingerprint, owner, policy.lease, policy.retention)
+                .await;
+            self.metrics.store("claim", t.elapsed());
+            let existing = match result {
+                Err(e) => return self.store_failed(k, e).await,
+                Ok(ClaimResult::Claimed(claim)) => return self.execute(&k, claim).await,
+                Ok(ClaimResult::Existing(x)) => x,
+            };
+            let replace = match decide(&existing.view, &k.fingerprint, existing.now) {
+                Decision::Replay => return replay(existing.response.as_ref()),
+                Decision::Conflict { lease_remaining } => return conflict(lease_remaining),
+                Decision::Mismatch => {
+                    return Handled::problem(
+                        Problem::new(
+                            ProblemKind::KeyReused,
+                            format!("the key {} was first used with a different request (method, path, query or body)", k.key),
+                        ),
+                        Outcome::Mismatch,
+                    )
+                }
+                Decision::TakeOver { previous, .. } => Replace::TakeOver(previous),
+                Decision::Reclaim { previous } => Replace::Reclaim(previous),
+            };
+            let t = Instant::now();
+            let result = self
+                .store
+                .replace(&k.tenant, &k.key, &k.fingerprint, owner, replace, policy.lease, policy.retention)
+                .await;
+            self.metrics.store("replace", t.elapsed());
+            match result {
+                Err(e) => return self.store_failed(k, e).await,
+                Ok(None) => continue,
+                Ok(Some(claim)) => {
+                    if let Replace::TakeOver(previous) = replace {
+                        self.metrics.takeover();
+                        warn!(
+                            key = %k.key,
+                            attempt = claim.attempt,
+                            previous_owner = %previous.as_uuid(),
+                            "took over a claim whose lease expired; forwarding again"
+                        );
+                    }
+                    return self.execute(&k, claim).await;
+                }
+            }
+        }
+        conflict(Duration::from_secs(1))
+    }
+
+    /// Forwards an owned claim once and settles it.
+    async fn execute(&self, k: &Keyed<'_>, claim: Claim) -> Handled {
+        let policy = &k.route.policy;
+        let in_flight = self.metrics.in_flight().clone();
+        in_flight.inc();
+        let _in_flight = scopeguard(move || {
+            in_flight.dec();
+        });
+        let mut req = match self.forward_request(&k.parts, full(k.body.clone()), k.client, Some(claim.attempt)) {
+            Ok(r) => r,
+            Err(e) => {
+                self.release(k, claim).await;
+                return Handled::problem(
+                    Problem::new(ProblemKind::InvalidRequest, format!("the request cannot be forwarded: {e}")),
+                    Outcome::Released,
+                );
+            }
+        };
+        // The body is already buffered: no 100-continue dance upstream.
+        req.headers_mut().remove(EXPECT);
+        let release_on: Vec<u16> = policy.release_on.iter().map(|s| s.as_u16()).collect();
+        let max_stored = policy.max_stored_response;
+        let timeout = self.upstream.timeout();
+        let exchange = async {
+            let resp = self.upstream.send(req).await?;
+            if settle(UpstreamOutcome::Answered(resp.status().as_u16()), &release_on) == Settlement::Release {
+                return Ok(Exchanged::Release(resp));
+            }
+            read_limited(resp, max_stored).await
+        };
+        let bounded = async {
+            match tokio::time::timeout(timeout, exchange).await {
+                Ok(r) => r,
+                Err(_) => Err(UpstreamError::Timeout(timeout)),
+            }
+        };
+        let holder = LeaseHolder {
+            store: &self.store,
+            metrics: &self.metrics,
+            tenant: &k.tenant,
+            key: &k.key,
+            owner: claim.owner,
+            lease: policy.lease,
+        };
+        let started = Instant::now();
+        let (result, _lost) = holder.renew_while(bounded).await;
+        self.metrics.upstream(started.elapsed());
+        let mut handled = match result {
+            Err(UpstreamError::Connect(e)) => {
+                // settle(NotSent) == Release: the request never left.
+                self.release(k, claim).await;
+                Handled::problem(
+                    Problem::new(
+                        ProblemKind::UpstreamUnreachable,
+                        format!("the upstream could not be reached; the request was not sent and may be retried at once ({e})"),
+                    ),
+                    Outcome::Released,
+                )
+            }
+            Err(e @ UpstreamError::Timeout(_)) => {
+                warn!(key = %k.key, attempt = claim.attempt, error = %e, "outcome unknown: the claim stays in flight until its lease expires");
+                Handled::problem(
+                    Problem::new(
+                        ProblemKind::UpstreamTimeout,
+                        "the upstream did not answer in time; the request may have been executed. Retry with the same key after the lease expires",
+                    )
+                    .retry_after(retry_after_secs(policy.lease)),
+                    Outcome::Claimed,
+                )
+            }
+            Err(e) => {
+                warn!(key = %k.key, attempt = claim.attempt, error = %e, "outcome unknown: the claim stays in flight until its lease expires");
+                Handled::problem(
+                    Problem::new(
+                        ProblemKind::UpstreamFailed,
+                        "the upstream connection failed after the request was sent; it may have been executed. Retry with the same key after the lease expires",
+                    )
+                    .retry_after(retry_after_secs(policy.lease)),
+                    Outcome::Claimed,
+                )
+            }
+            Ok(Exchanged::Release(resp)) => {
+                self.release(k, claim).await;
+                Handled::new(stream_response(resp), Outcome::Released)
+            }
+            Ok(Exchanged::Whole(parts, body)) => {
+                let stored = StoredResponse {
+                    status: parts.status.as_u16(),
+                    headers: headers::capture(&parts.headers),
+                    body: Some(body.clone()),
+                };
+                let outcome = self.complete(k, claim, stored).await;
+                Handled::new(response_from(parts, full(body)), outcome)
+            }
+            Ok(Exchanged::TooLarge(parts, prefix, rest)) => {
+                warn!(
+                    key = %k.key,
+                    status = parts.status.as_u16(),
+                    limit = max_stored,
+                    "response body exceeds max_stored_response: passed on, stored without its body; replays will get 502 response-not-stored"
+                );
+                let stored = StoredResponse {
+                    status: parts.status.as_u16(),
+                    headers: headers::capture(&parts.headers),
+                    body: None,
+                };
+                let outcome = self.complete(k, claim, stored).await;
+                let body = PrefixedBody {
+                    prefix: Some(prefix),
+                    rest,
+                };
+                Handled::new(response_from(parts, body.boxed()), outcome)
+            }
+        };
+        handled.attempt = Some(claim.attempt);
+        handled
+    }
+
+    /// Stores the response, fenced by our owner token.
+    async fn complete(&self, k: &Keyed<'_>, claim: Claim, stored: StoredResponse) -> Outcome {
+        let retention = k.route.policy.retention;
+        let t = Instant::now();
+        let result = self.store.complete(&k.tenant, &k.key, claim.owner, &stored, retention).await;
+        self.metrics.store("complete", t.elapsed());
+        match result {
+            Ok(Some(_expires)) => Outcome::Claimed,
+            Ok(None) => {
+                warn!(
+                    key = %k.key,
+                    attempt = claim.attempt,
+                    "lease lost: another attempt owns this key now; this response goes to its client but is not stored"
+                );
+                Outcome::LostLease
+            }
+            Err(e) => {
+                warn!(key = %k.key, error = %e, "could not store the response; retrying in the background");
+                spawn_completion_retry(self.store.clone(), k.tenant.clone(), k.key.clone(), claim, stored, retention);
+                Outcome::Claimed
+            }
+        }
+    }
+
+    /// Deletes our claim so a retry may run; a failure leaves it to expire.
+    async fn release(&self, k: &Keyed<'_>, claim: Claim) {
+        let t = Instant::now();
+        let result = self.store.release(&k.tenant, &k.key, claim.owner).await;
+        self.metrics.store("release", t.elapsed());
+        if let Err(e) = result {
+            warn!(key = %k.key, error = %e, "could not release the claim; it will expire with its lease");
+        }
+    }
+
+    /// The store failed before anything was forwarded.
+    async fn store_failed(&self, k: Keyed<'_>, e: StoreError) -> Handled {
+        match self.config.store.on_store_error {
+            OnStoreError::Reject => {
+                warn!(key = %k.key, error = %e, "store unavailable: refusing the keyed request (fail closed)");
+                Handled::problem(
+                    Problem::new(
+                        ProblemKind::StoreUnavailable,
+                        "the idempotency store is unavailable; nothing was forwarded. Retry with the same key",
+                    )
+                    .retry_after(1),
+                    Outcome::StoreError,
+                )
+            }
+            OnStoreError::PassThrough => {
+                warn!(
+                    key = %k.key,
+                    error = %e,
+                    "store unavailable: forwarding UNPROTECTED (on_store_error = pass_through); a retry may execute twice"
+                );
+                let req = match self.forward_request(&k.parts, full(k.body.clone()), k.client, None) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        return Handled::problem(
+                            Problem::new(ProblemKind::InvalidRequest, format!("the request cannot be forwarded: {e}")),
+                            Outcome::StoreError,
+                        )
+                    }
+                };
+                let mut h = self.forward_streaming(req).await;
+                h.outcome = Outcome::StoreError;
+                h
+            }
+        }
+    }
+
+    async fn pass_through(&self, req: Request<Incoming>, client: ClientInfo) -> Handled {
+        let (parts, body) = req.into_parts();
+        let body = body.map_err(BoxError::from).boxed();
+        match self.forward_request(&parts, body, client, None) {
+            Ok(req) => self.forward_streaming(req).await,
+            Err(e) => Handled::problem(
+                Problem::new(ProblemKind::InvalidRequest, format!("the request cannot be forwarded: {e}")),
+                Outcome::Rejected,
+            ),
+        }
+    }
+
+    async fn forward_streaming(&self, req: Request<ProxyBody>) -> Handled {
+        let started = Instant::now();
+        let result = self.upstream.send(req).await;
+        self.metrics.upstream(started.elapsed());
+        match result {
+            Ok(resp) => Handled::new(stream_response(resp), Outcome::Passthrough),
+            Err(e) => {
+                let kind = match e {
+                    UpstreamError::Connect(_) => ProblemKind::UpstreamUnreachable,
+                    UpstreamError::Timeout(_) => ProblemKind::UpstreamTimeout,
+                    UpstreamError::Failed(_) => ProblemKind::UpstreamFailed,
+                };
+                Handled::problem(Problem::new(kind, e.to_string()), Outcome::Passthrough)
+            }
+        }
+    }
+
+    /// The request as the upstream gets it.
+    fn forward_request(
+        &self,
+        parts: &request::Parts,
+        body: ProxyBody,
+        client: ClientInfo,
+        attempt: Option<i32>,
+    ) -> Result<Request<ProxyBody>, http::Error> {
+        let uri = self.upstream.uri_for(parts.uri.path_and_query())?;
+        let mut h = parts.headers.clone();
+        headers::strip_hop_by_hop(&mut h);
+        let original_host = parts
+            .headers
+            .get(HOST)
+            .and_then(|v| v.to_str().ok())
+            .or_else(|| parts.uri.authority().map(|a| a.as_str()));
+        headers::add_forwarded(&mut h, client.addr.ip(), client.proto, original_host);
+        h.insert(HOST, self.upstream.host_header().clone());
+        match attempt {
+            Some(a) => {
+                h.insert(ATTEMPT, HeaderValue::from(a));
+            }
+            None => {
+                h.remove(ATTEMPT);
+            }
+        }
+        let mut req = Request::new(body);
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri;
+        *req.headers_mut() = h;
+        Ok(req)
+    }
+}
+
+enum Admission<'a> {
+    PassThrough(Request<Incoming>),
+    Refused(Handled),
+    Keyed(Keyed<'a>),
+}
+
+fn conflict(lease_remaining: Duration) -> Handled {
+    let secs = retry_after_secs(lease_remaining);
+    Handled::problem(
+        Problem::new(
+            ProblemKind::RequestInProgress,
+            format!("a request with this key is being processed; retry in {secs} s"),
+        )
+        .retry_after(secs),
+        Outcome::Conflict,
+    )
+}
+
+/// A replay: the stored status, headers and body bytes, marked replayed.
+fn replay(stored: Option<&StoredResponse>) -> Handled {
+    let Some(stored) = stored else {
+        return Handled::problem(
+            Problem::new(ProblemKind::StoreUnavailable, "the stored response could not be read").retry_after(1),
+            Outcome::StoreError,
+        );
+    };
+    let Some(body) = &stored.body else {
+        let mut resp = Problem::new(
+            ProblemKind::ResponseNotStored,
+            format!(
+                "the original request was executed (upstream status {}) but its response body exceeded max_stored_response and was not stored; it will not be executed again",
+                stored.status
+            ),
+        )
+        .into_response();
+        resp.headers_mut().insert(REPLAYED, HeaderValue::from_static("true"));
+        return Handled::new(resp, Outcome::Replayed);
+    };
+    let mut resp = Response::new(full(body.clone()));
+    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    for (name, value) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value.clone()),
+        ) {
+            resp.headers_mut().append(n, v);
+        }
+    }
+    resp.headers_mut().insert(REPLAYED, HeaderValue::from_static("true"));
+    Handled::new(resp, Outcome::Replayed)
+}
+
+/// An upstream response passed on as it streams, hop-by-hop headers removed.
+fn stream_response(resp: Response<Incoming>) -> Response<ProxyBody> {
+    let (parts, body) = resp.into_parts();
+    response_from(parts, body.map_err(BoxError::from).boxed())
+}
+
+fn response_from(mut parts: response::Parts, body: ProxyBody) -> Response<ProxyBody> {
+    headers::strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, body)
+}
+
+/// Reads a response body up to `limit` bytes.
+async fn read_limited(resp: Response<Incoming>, limit: u64) -> Result<Exchanged, UpstreamError> {
+    let (parts, mut body) = resp.into_parts();
+    let mut buf = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| UpstreamError::Failed(upstream::error_chain(&e)))?;
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+            if buf.len() as u64 > limit {
+                return Ok(Exchanged::TooLarge(parts, buf.freeze(), body));
+            }
+        }
+    }
+    Ok(Exchanged::Whole(parts, buf.freeze()))
+}
+
+/// Retries a failed completion in the background: the response is the
+/// truth of what the upstream did, and a completed record is what stops a
+/// second execution once the lease runs out.
+fn spawn_completion_retry(
+    store: Store,
+    tenant: TenantId,
+    key: IdempotencyKey,
+    claim: Claim,
+    stored: StoredResponse,
+    retention: Duration,
+) {
+    tokio::spawn(async move {
+        let mut delay = Duration::from_millis(100);
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while Instant::now() < deadline {
+            tokio::time::sleep(delay).await;
+            match store.complete(&tenant, &key, claim.owner, &stored, retention).await {
+                Ok(Some(_)) => {
+                    info!(key = %key, "stored the response after a retry");
+                    return;
+                }
+                Ok(None) => {
+                    warn!(key = %key, "lease lost before the response could be stored");
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(key = %key, error = %e, "completion retry failed");
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        warn!(key = %key, "gave up storing the response; the claim will expire with its lease");
+    });
+}
+
+/// Runs a closure when dropped (the in-flight gauge must come down on every
+/// path, cancellation included).
+fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
+}
+
+/// The part of a response body already read, then the rest as it streams.
+struct PrefixedBody {
+    prefix: Option<Bytes>,
+    rest: Incoming,
+}
+
+impl Body for PrefixedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(p) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(p))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx).map_err(BoxError::from)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let mut hint = self.rest.size_hint();
+        if let Some(p) = &self.prefix {
+            let n = p.len() as u64;
+            hint.set_lower(hint.lower() + n);
+            if let Some(u) = hint.upper() {
+                hint.set_upper(u + n);
+            }
+        }
+        hint
+    }
+}

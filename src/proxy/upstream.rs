@@ -1,0 +1,123 @@
+//! The upstream client: pooled keep-alive connections, bounded connect and
+//! exchange times, and errors sorted by what they prove.
+
+use std::time::Duration;
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderValue, Request, Response, Uri, Version};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use thiserror::Error;
+
+use super::ProxyBody;
+use crate::config::UpstreamConfig;
+
+/// Why an upstream exchange produced no response.
+#[derive(Debug, Error)]
+pub enum UpstreamError {
+    /// No connection could be made: the request provably never left.
+    #[error("could not connect to the upstream: {0}")]
+    Connect(String),
+    /// No answer within `upstream.timeout`: the outcome is unknown.
+    #[error("the upstream did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The connection failed after the request was (maybe) sent.
+    #[error("the upstream exchange failed: {0}")]
+    Failed(String),
+}
+
+/// The upstream as the proxy sees it.
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, ProxyBody>,
+    scheme: Scheme,
+    authority: Authority,
+    host_header: HeaderValue,
+    base_path: String,
+    timeout: Duration,
+}
+
+impl Upstream {
+    /// Builds the client. Fails for URLs the client cannot serve.
+    pub fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
+        let uri = &config.url;
+        let scheme = uri.scheme().cloned().unwrap_or(Scheme::HTTP);
+        if scheme != Scheme::HTTP {
+            anyhow::bail!("upstream.url: only http:// upstreams are supported in this version");
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("upstream.url has no host"))?;
+        let host_header = HeaderValue::from_str(authority.as_str())?;
+        let base_path = uri.path().trim_end_matches('/').to_owned();
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_nodelay(true);
+        connector.enforce_http(true);
+        let client = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Ok(Upstream {
+            client,
+            scheme,
+            authority,
+            host_header,
+            base_path,
+            timeout: config.timeout,
+        })
+    }
+
+    /// The exchange bound.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The `Host` the upstream is addressed as.
+    pub fn host_header(&self) -> &HeaderValue {
+        &self.host_header
+    }
+
+    /// The upstream URI for a request's path and query.
+    pub fn uri_for(&self, pq: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
+        let pq = pq.map_or("/", |p| p.as_str());
+        let full = if self.base_path.is_empty() {
+            pq.to_owned()
+        } else {
+            format!("{}{}", self.base_path, pq)
+        };
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(full)
+            .build()
+    }
+
+    /// Sends a request and waits for the response headers, within the
+    /// exchange bound.
+    pub async fn send(&self, mut req: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
+        *req.version_mut() = Version::HTTP_11;
+        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
+            Ok(Err(e)) => Err(UpstreamError::Failed(error_chain(&e))),
+        }
+    }
+}
+
+/// An error and its causes on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,662 @@
+//! The store: idempotency records in PostgreSQL, written only through
+//! fenced statements.
+//!
+//! * `claim` is one statement and one round trip for both outcomes: it
+//!   inserts the record for a new key (`ON CONFLICT DO NOTHING`, which takes
+//!   no lock and writes nothing when the key exists) and otherwise returns
+//!   the existing record, from which [`crate::idempotency::decide`] decides.
+//!   A duplicate therefore costs one read and writes nothing.
+//! * `take_over` replaces an expired owner (lease or retention) with a new
+//!   owner token, fenced by the old token and the expiry condition.
+//! * `complete`, `renew` and `release` are fenced by `(tenant, key, owner)`.
+//! * Every time comparison uses the database's clock, so replicas with
+//!   skewed clocks agree on who owns a lease.
+
+pub mod migrate;
+
+use std::str::FromStr;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use thiserror::Error;
+use tokio_postgres::{NoTls, Row};
+
+use crate::config::StoreConfig;
+use crate::idempotency::{Fingerprint, IdempotencyKey, OwnerToken, RecordState, RecordView, TenantId};
+
+/// Why a store operation failed. Messages never contain the database URL.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    /// The operation did not finish within `store.timeout`.
+    #[error("store operation timed out after {0:?}")]
+    Timeout(Duration),
+    /// No connection could be had from the pool.
+    #[error("no database connection: {0}")]
+    Pool(String),
+    /// The database answered with an error.
+    #[error("database error: {0}")]
+    Db(String),
+    /// The database URL does not parse.
+    #[error("invalid database URL: {0}")]
+    Url(String),
+    /// A migration could not be applied.
+    #[error("migration failed: {0}")]
+    Migration(String),
+    /// A row did not hold what the schema promises.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        StoreError::Db(describe_db_error(&e))
+    }
+}
+
+/// A description of a driver error that names the cause (connection
+/// refused, SQLSTATE and message) without the connection parameters.
+pub(crate) fn describe_db_error(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        return format!("{} ({})", db.message(), db.code().code());
+    }
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+fn pool_error(e: deadpool_postgres::PoolError) -> StoreError {
+    match e {
+        deadpool_postgres::PoolError::Backend(db) => StoreError::Pool(describe_db_error(&db)),
+        deadpool_postgres::PoolError::Timeout(_) => {
+            StoreError::Pool("timed out waiting for a database connection".into())
+        }
+        other => StoreError::Pool(other.to_string()),
+    }
+}
+
+/// A response as stored and replayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status.
+    pub status: u16,
+    /// End-to-end headers in order, repeated headers as separate entries.
+    pub headers: Vec<(String, Bytes)>,
+    /// The body; `None` when it exceeded `max_stored_response` and was not
+    /// stored.
+    pub body: Option<Bytes>,
+}
+
+/// An owned claim on a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    /// This attempt's owner token.
+    pub owner: OwnerToken,
+    /// 1 for the first claim, +1 per takeover.
+    pub attempt: i32,
+    /// When the lease runs out unless renewed.
+    pub lease_expires_at: SystemTime,
+}
+
+/// A record found for a key.
+#[derive(Debug, Clone)]
+pub struct Existing {
+    /// What the decision needs.
+    pub view: RecordView,
+    /// The stored response (completed records whose fingerprint matched).
+    pub response: Option<StoredResponse>,
+    /// The database's clock when the record was read.
+    pub now: SystemTime,
+}
+
+/// The result of [`Store::claim`].
+#[derive(Debug, Clone)]
+pub enum ClaimResult {
+    /// The key was absent and is now ours.
+    Claimed(Claim),
+    /// The key has a record.
+    Existing(Existing),
+}
+
+/// An owned claim being replaced after its owner's lease (or the record's
+/// retention) ran out.
+#[derive(Debug, Clone, Copy)]
+pub enum Replace {
+    /// Lease expired: attempt + 1, same fingerprint.
+    TakeOver(OwnerToken),
+    /// Past retention: a fresh record (attempt 1, the new fingerprint).
+    Reclaim(OwnerToken),
+}
+
+/// Everything stored about a key, for operators.
+#[derive(Debug, Clone)]
+pub struct RecordDetails {
+    /// The tenant as stored.
+    pub tenant: String,
+    /// The key.
+    pub key: String,
+    /// `in_flight` or `completed`.
+    pub state: String,
+    /// Attempt number.
+    pub attempt: i32,
+    /// Current owner.
+    pub owner: uuid::Uuid,
+    /// Hex fingerprint.
+    pub fingerprint: String,
+    /// Lease deadline (in flight).
+    pub lease_expires_at: Option<SystemTime>,
+    /// First claim (or reclaim).
+    pub created_at: SystemTime,
+    /// Completion.
+    pub completed_at: Option<SystemTime>,
+    /// Retention deadline.
+    pub expires_at: SystemTime,
+    /// Stored status.
+    pub response_status: Option<i16>,
+    /// Stored body size in bytes.
+    pub response_body_len: Option<i64>,
+    /// The body was too large to store.
+    pub response_body_omitted: bool,
+    /// The body itself, when asked for.
+    pub response_body: Option<Vec<u8>>,
+    /// The database clock at the time of reading.
+    pub now: SystemTime,
+}
+
+const CLAIM_SQL: &str = "
+WITH ins AS (
+    INSERT INTO idempotency_records AS r
+        (tenant_id, idempotency_key, fingerprint, owner_token, attempt, state,
+         lease_expires_at, created_at, expires_at)
+    VALUES ($1, $2, $3, $4, 1, 'in_flight',
+            now() + $5::bigint * interval '1 millisecond', now(),
+            now() + $6::bigint * interval '1 millisecond')
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING owner_token, attempt, lease_expires_at
+)
+SELECT true AS claimed, owner_token, attempt, NULL::bytea AS fingerprint,
+       NULL::text AS state, lease_expires_at, NULL::timestamptz AS expires_at,
+       NULL::smallint AS response_status, NULL::text[] AS header_names,
+       NULL::bytea[] AS header_values, NULL::bytea AS body,
+       false AS body_omitted, now() AS now
+  FROM ins
+UNION ALL
+SELECT false, owner_token, attempt, fingerprint, state, lease_expires_at, expires_at,
+       response_status,
+       CASE WHEN fingerprint = $3 THEN response_header_names END,
+       CASE WHEN fingerprint = $3 THEN response_header_values END,
+       CASE WHEN fingerprint = $3 THEN response_body END,
+       response_body_omitted, now()
+  FROM idempotency_records
+ WHERE tenant_id = $1 AND idempotency_key = $2
+   AND NOT EXISTS (SELECT 1 FROM ins)";
+
+const TAKE_OVER_SQL: &str = "
+UPDATE idempotency_records
+   SET owner_token = $4, attempt = attempt + 1,
+       lease_expires_at = now() + $6::bigint * interval '1 millisecond'
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $5
+   AND fingerprint = $3
+   AND state = 'in_flight' AND lease_expires_at <= now()
+RETURNING attempt, lease_expires_at";
+
+const RECLAIM_SQL: &str = "
+UPDATE idempotency_records
+   SET owner_token = $4, attempt = 1, fingerprint = $3, state = 'in_flight',
+       lease_expires_at = now() + $6::bigint * interval '1 millisecond',
+       created_at = now(), completed_at = NULL,
+       expires_at = now() + $7::bigint * interval '1 millisecond',
+       response_status = NULL, response_header_names = NULL,
+       response_header_values = NULL, response_body = NULL,
+       response_body_omitted = false
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $5
+   AND expires_at <= now()
+   AND (state = 'completed' OR lease_expires_at <= now())
+RETURNING attempt, lease_expires_at";
+
+const COMPLETE_SQL: &str = "
+UPDATE idempotency_records
+   SET state = 'completed', lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + $4::bigint * interval '1 millisecond',
+       response_status = $5, response_header_names = $6,
+       response_header_values = $7, response_body = $8,
+       response_body_omitted = $9
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
+   AND state = 'in_flight'
+RETURNING expires_at";
+
+const RENEW_SQL: &str = "
+UPDATE idempotency_records
+   SET lease_expires_at = now() + $4::bigint * interval '1 millisecond'
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
+   AND state = 'in_flight'";
+
+const RELEASE_SQL: &str = "
+DELETE FROM idempotency_records
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
+   AND state = 'in_flight'";
+
+const SWEEP_SQL: &str = "
+DELETE FROM idempotency_records r
+ USING (SELECT tenant_id, idempotency_key
+          FROM idempotency_records
+         WHERE expires_at <= now()
+           AND (state = 'completed' OR lease_expires_at <= now())
+         ORDER BY expires_at
+         LIMIT $1
+         FOR UPDATE SKIP LOCKED) d
+ WHERE r.tenant_id = d.tenant_id AND r.idempotency_key = d.idempotency_key";
+
+const SHOW_SQL: &str = "
+SELECT tenant_id, idempotency_key, state, attempt, owner_token, fingerprint,
+       lease_expires_at, created_at, completed_at, expires_at, response_status,
+       octet_length(response_body)::bigint, response_body_omitted,
+       CASE WHEN $3 THEN response_body END, now()
+  FROM idempotency_records
+ WHERE tenant_id = $1 AND idempotency_key = $2";
+
+/// The PostgreSQL-backed record store.
+#[derive(Clone)]
+pub struct Store {
+    pool: Pool,
+    timeout: Duration,
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Store {
+    /// Builds the pool. Connects lazily: a database that is down does not
+    /// stop the process from starting.
+    pub fn new(config: &StoreConfig) -> Result<Self, StoreError> {
+        let pg = tokio_postgres::Config::from_str(config.database_url.expose())
+            .map_err(|e| StoreError::Url(redacted_parse_error(&e)))?;
+        let mut pg = pg;
+        if pg.get_application_name().is_none() {
+            pg.application_name("idemproxy");
+        }
+        pg.connect_timeout(config.timeout);
+        let manager = Manager::from_config(
+            pg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(config.pool_size)
+            .wait_timeout(Some(config.timeout))
+            .create_timeout(Some(config.timeout))
+            .recycle_timeout(Some(config.timeout))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| StoreError::Pool(e.to_string()))?;
+        Ok(Store {
+            pool,
+            timeout: config.timeout,
+        })
+    }
+
+    /// Pool occupancy: (size, available, waiting).
+    pub fn pool_status(&self) -> (usize, usize, usize) {
+        let s = self.pool.status();
+        (s.size, s.available, s.waiting)
+    }
+
+    /// The per-operation bound.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    async fn bounded<T, F>(&self, op: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        match tokio::time::timeout(self.timeout, op).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool.get().await.map_err(pool_error)
+    }
+
+    /// Claims a new key, or returns the record it already has.
+    pub async fn claim(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        owner: OwnerToken,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<ClaimResult, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client.prepare_cached(CLAIM_SQL).await?;
+            // The statement sees the snapshot taken at its start: a record
+            // committed by a racing claim after that instant makes the insert
+            // do nothing yet stays invisible to the select. Running it again
+            // takes a new snapshot that sees it.
+            for _ in 0..3 {
+                let rows = client
+                    .query(
+                        &stmt,
+                        &[
+                            &tenant.as_str(),
+                            &key.as_str(),
+                            &&fingerprint.as_bytes()[..],
+                            &owner.as_uuid(),
+                            &millis(lease),
+                            &millis(retention),
+                        ],
+                    )
+                    .await?;
+                if let Some(row) = rows.first() {
+                    return claim_result(row);
+                }
+            }
+            Err(StoreError::Db("the claim found neither a record nor room for one".into()))
+        })
+        .await
+    }
+
+    /// Replaces an expired owner with `owner`. `None`: the record changed
+    /// since it was read (someone else took over, or it completed).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn replace(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        owner: OwnerToken,
+        replace: Replace,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let (sql, previous) = match replace {
+                Replace::TakeOver(p) => (TAKE_OVER_SQL, p),
+                Replace::Reclaim(p) => (RECLAIM_SQL, p),
+            };
+            let stmt = client.prepare_cached(sql).await?;
+            let lease_ms = millis(lease);
+            let retention_ms = millis(retention);
+            let (tenant, key, fp, owner_id, prev) = (
+                tenant.as_str(),
+                key.as_str(),
+                &fingerprint.as_bytes()[..],
+                owner.as_uuid(),
+                previous.as_uuid(),
+            );
+            let row = match replace {
+                Replace::TakeOver(_) => {
+                    client
+                        .query_opt(&stmt, &[&tenant, &key, &fp, &owner_id, &prev, &lease_ms])
+                        .await?
+                }
+                Replace::Reclaim(_) => {
+                    client
+                        .query_opt(
+                            &stmt,
+                            &[&tenant, &key, &fp, &owner_id, &prev, &lease_ms, &retention_ms],
+                        )
+                        .await?
+                }
+            };
+            Ok(row.map(|r| Claim {
+                owner,
+                attempt: r.get(0),
+                lease_expires_at: r.get(1),
+            }))
+        })
+        .await
+    }
+
+    /// Stores the response; `None` if the fence refused it (lease lost),
+    /// otherwise when the record expires.
+    pub async fn complete(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<Option<SystemTime>, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client.prepare_cached(COMPLETE_SQL).await?;
+            let names: Vec<&str> = response.headers.iter().map(|(n, _)| n.as_str()).collect();
+            let values: Vec<&[u8]> = response.headers.iter().map(|(_, v)| &v[..]).collect();
+            let status = i16::try_from(response.status)
+                .map_err(|_| StoreError::Corrupt(format!("status {}", response.status)))?;
+            let body: Option<&[u8]> = response.body.as_deref();
+            let row = client
+                .query_opt(
+                    &stmt,
+                    &[
+                        &tenant.as_str(),
+                        &key.as_str(),
+                        &owner.as_uuid(),
+                        &millis(retention),
+                        &status,
+                        &names,
+                        &values,
+                        &body,
+                        &response.body.is_none(),
+                    ],
+                )
+                .await?;
+            Ok(row.map(|r| r.get(0)))
+        })
+        .await
+    }
+
+    /// Extends the lease; `false` if the fence refused it (lease lost).
+    pub async fn renew(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client.prepare_cached(RENEW_SQL).await?;
+            let n = client
+                .execute(
+                    &stmt,
+                    &[&tenant.as_str(), &key.as_str(), &owner.as_uuid(), &millis(lease)],
+                )
+                .await?;
+            Ok(n == 1)
+        })
+        .await
+    }
+
+    /// Deletes our in-flight claim; `false` if we no longer owned it.
+    pub async fn release(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+    ) -> Result<bool, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client.prepare_cached(RELEASE_SQL).await?;
+            let n = client
+                .execute(&stmt, &[&tenant.as_str(), &key.as_str(), &owner.as_uuid()])
+                .await?;
+            Ok(n == 1)
+        })
+        .await
+    }
+
+    /// Deletes up to `limit` expired records; returns how many.
+    pub async fn sweep_batch(&self, limit: u32) -> Result<u64, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client.prepare_cached(SWEEP_SQL).await?;
+            Ok(client.execute(&stmt, &[&i64::from(limit)]).await?)
+        })
+        .await
+    }
+
+    /// Reads a record for operators.
+    pub async fn show(
+        &self,
+        tenant: &str,
+        key: &str,
+        with_body: bool,
+    ) -> Result<Option<RecordDetails>, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(SHOW_SQL, &[&tenant, &key, &with_body])
+                .await?;
+            Ok(row.map(|r| RecordDetails {
+                tenant: r.get(0),
+                key: r.get(1),
+                state: r.get(2),
+                attempt: r.get(3),
+                owner: r.get(4),
+                fingerprint: hex::encode(r.get::<_, Vec<u8>>(5)),
+                lease_expires_at: r.get(6),
+                created_at: r.get(7),
+                completed_at: r.get(8),
+                expires_at: r.get(9),
+                response_status: r.get(10),
+                response_body_len: r.get(11),
+                response_body_omitted: r.get(12),
+                response_body: r.get(13),
+                now: r.get(14),
+            }))
+        })
+        .await
+    }
+
+    /// Deletes a record for an operator: in-flight records always,
+    /// completed ones only with `force`. Returns the state deleted, or
+    /// `Err` naming why nothing was.
+    pub async fn force_release(
+        &self,
+        tenant: &str,
+        key: &str,
+        force: bool,
+    ) -> Result<Option<String>, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(
+                    "DELETE FROM idempotency_records
+                      WHERE tenant_id = $1 AND idempotency_key = $2
+                        AND (state = 'in_flight' OR $3)
+                  RETURNING state",
+                    &[&tenant, &key, &force],
+                )
+                .await?;
+            Ok(row.map(|r| r.get(0)))
+        })
+        .await
+    }
+
+    /// Applies pending migrations.
+    pub async fn migrate(&self) -> Result<Vec<i32>, StoreError> {
+        let mut client = self.client().await?;
+        migrate::run(&mut client).await
+    }
+
+    /// Database reachable and schema current.
+    pub async fn ready(&self) -> Result<bool, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            migrate::is_current(&client).await
+        })
+        .await
+    }
+}
+
+fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {
+    let owner = OwnerToken::from_uuid(row.get("owner_token"));
+    let attempt: i32 = row.get("attempt");
+    if row.get::<_, bool>("claimed") {
+        return Ok(ClaimResult::Claimed(Claim {
+            owner,
+            attempt,
+            lease_expires_at: row.get("lease_expires_at"),
+        }));
+    }
+    let fp_bytes: Vec<u8> = row.get("fingerprint");
+    let fingerprint = Fingerprint::from_bytes(&fp_bytes)
+        .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
+    let state: String = row.get("state");
+    let state = match state.as_str() {
+        "completed" => RecordState::Completed,
+        "in_flight" => RecordState::InFlight {
+            lease_expires_at: row
+                .get::<_, Option<SystemTime>>("lease_expires_at")
+                .ok_or_else(|| StoreError::Corrupt("in-flight record without a lease".into()))?,
+        },
+        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+    };
+    let response = match state {
+        RecordState::Completed => {
+            let status: Option<i16> = row.get("response_status");
+            let names: Option<Vec<String>> = row.get("header_names");
+            let values: Option<Vec<Vec<u8>>> = row.get("header_values");
+            match (status, names, values) {
+                (Some(status), Some(names), Some(values)) if names.len() == values.len() => {
+                    let omitted: bool = row.get("body_omitted");
+                    let body: Option<Vec<u8>> = row.get("body");
+                    Some(StoredResponse {
+                        status: u16::try_from(status)
+                            .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
+                        headers: names
+                            .into_iter()
+                            .zip(values.into_iter().map(Bytes::from))
+                            .collect(),
+                        body: if omitted {
+                            None
+                        } else {
+                            Some(Bytes::from(body.unwrap_or_default()))
+                        },
+                    })
+                }
+                // Fingerprint differs: the response is not fetched.
+                (Some(_), None, None) => None,
+                _ => return Err(StoreError::Corrupt("completed record without a response".into())),
+            }
+        }
+        RecordState::InFlight { .. } => None,
+    };
+    Ok(ClaimResult::Existing(Existing {
+        view: RecordView {
+            fingerprint,
+            owner,
+            attempt,
+            state,
+            expires_at: row.get("expires_at"),
+        },
+        response,
+        now: row.get("now"),
+    }))
+}
+
+/// The driver's URL parse errors may quote the URL; keep only a generic
+/// description.
+fn redacted_parse_error(e: &tokio_postgres::Error) -> String {
+    let text = e.to_string();
+    if text.contains("://") || text.contains('@') || text.contains("password") {
+        "the URL could not be parsed (details withheld: they may contain the password)".into()
+    } else {
+        text
+    }
+}
