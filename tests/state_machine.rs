@@ -1,0 +1,328 @@
+//! DESIGN.md §1: the state machine, one test per cell, against a real
+//! PostgreSQL and the sample upstream over real sockets.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Harness, Req, Setup};
+use idemproxy::idempotency::{Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, TenantId};
+use idemproxy::store::{ClaimResult, Replace, StoredResponse};
+
+const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
+
+// Row "absent": claim it, forward once.
+#[tokio::test]
+async fn absent_key_is_claimed_and_forwarded_once_with_attempt_1() {
+    let h = Harness::start(Setup::default()).await;
+    let r = h.post("/v1/payments", "k-absent", PAY).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert!(!r.replayed());
+    assert_eq!(h.upstream.executions("k-absent"), 1);
+    let seen = &h.upstream.requests()[0];
+    assert_eq!(seen.header("idempotency-key"), Some(&b"k-absent"[..]));
+    assert_eq!(seen.header("idempotency-attempt"), Some(&b"1"[..]));
+    assert_eq!(h.record_state("", "k-absent").await, Some(("completed".into(), 1)));
+}
+
+// Row "completed", same fingerprint: replay verbatim.
+#[tokio::test]
+async fn completed_key_replays_status_headers_and_body_verbatim() {
+    let h = Harness::start(Setup::default()).await;
+    let first = h
+        .send(Req::post("/v1/payments").key("k-replay").json(PAY).header("x-sample-set-cookie", "3"))
+        .await;
+    assert_eq!(first.status, 201);
+    let again = h
+        .send(Req::post("/v1/payments").key("k-replay").json(PAY).header("x-sample-set-cookie", "3"))
+        .await;
+    assert_eq!(again.status, first.status);
+    assert_eq!(again.body, first.body, "body bytes differ");
+    assert!(again.replayed());
+    assert_eq!(h.upstream.executions("k-replay"), 1);
+    let cookies: Vec<_> = again.headers.get_all("set-cookie").iter().collect();
+    assert_eq!(cookies, ["c1=v1", "c2=v2", "c3=v3"]);
+    assert_eq!(again.header("content-type"), first.header("content-type"));
+    assert_eq!(again.header("x-sample-execution"), first.header("x-sample-execution"));
+    assert!(again.header("date").is_some(), "a replay carries a fresh Date");
+}
+
+// A retry from a client whose serialiser orders keys differently matches.
+#[tokio::test]
+async fn reordered_json_body_is_the_same_request() {
+    let h = Harness::start(Setup::default()).await;
+    h.post("/v1/payments", "k-order", r#"{"a":1,"b":[1,2]}"#).await;
+    let r = h.post("/v1/payments", "k-order", "{ \"b\": [1, 2], \"a\": 1 }").await;
+    assert!(r.replayed(), "{}", r.text());
+    assert_eq!(h.upstream.executions("k-order"), 1);
+}
+
+// Row "completed", different fingerprint: 422.
+#[tokio::test]
+async fn completed_key_with_different_body_path_or_method_is_422() {
+    let h = Harness::start(Setup::default().defaults("methods = [\"POST\", \"PATCH\"]\n")).await;
+    h.post("/v1/payments", "k-mismatch", PAY).await;
+    h.post("/v1/payments", "k-mismatch", r#"{"amount": 101, "currency": "EUR"}"#)
+        .await
+        .assert_problem(422, "key-reused");
+    h.post("/v1/refunds", "k-mismatch", PAY).await.assert_problem(422, "key-reused");
+    h.send(Req::new(http::Method::PATCH, "/v1/payments").key("k-mismatch").json(PAY))
+        .await
+        .assert_problem(422, "key-reused");
+    h.post("/v1/payments?x=1", "k-mismatch", PAY).await.assert_problem(422, "key-reused");
+    // Number text is kept: 100 and 100.0 are different requests.
+    h.post("/v1/payments", "k-mismatch", r#"{"amount": 100.0, "currency": "EUR"}"#)
+        .await
+        .assert_problem(422, "key-reused");
+    assert_eq!(h.upstream.executions("k-mismatch"), 1);
+}
+
+// Row "in flight, lease valid", same fingerprint: 409 + Retry-After.
+#[tokio::test]
+async fn in_flight_duplicate_gets_409_with_retry_after() {
+    let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
+    let slow = Req::post("/v1/payments").key("k-409").json(PAY).header("x-sample-delay-ms", "1500");
+    let original = {
+        let h_client = h.client.clone();
+        let url = h.url("/v1/payments");
+        let req = slow.clone();
+        tokio::spawn(async move {
+            let mut req = req;
+            req.path = url;
+            h_client.send(req).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let dup = h.send(slow.clone()).await;
+    dup.assert_problem(409, "request-in-progress");
+    let retry_after: u64 = dup.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=5).contains(&retry_after), "Retry-After {retry_after}");
+    let first = original.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(h.upstream.executions("k-409"), 1);
+}
+
+// Row "in flight, lease valid", different fingerprint: 422.
+#[tokio::test]
+async fn in_flight_key_with_different_body_is_422() {
+    let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
+    let url = h.url("/v1/payments");
+    let client = h.client.clone();
+    let original = tokio::spawn(async move {
+        client
+            .send(Req::post(&url).key("k-422-inflight").json(PAY).header("x-sample-delay-ms", "1000"))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.post("/v1/payments", "k-422-inflight", r#"{"amount": 5}"#)
+        .await
+        .assert_problem(422, "key-reused");
+    assert_eq!(original.await.unwrap().status, 201);
+    assert_eq!(h.upstream.executions("k-422-inflight"), 1);
+}
+
+/// Claims a key as a "crashed" owner would: in flight, never completed.
+async fn abandoned_claim(h: &Harness, key: &str, body: &str, lease: Duration) -> OwnerToken {
+    let store = h.store();
+    let fp = Fingerprint::compute(
+        FingerprintMode::Json,
+        "POST",
+        "/v1/payments",
+        None,
+        Some(b"application/json"),
+        body.as_bytes(),
+    );
+    let owner = OwnerToken::mint();
+    let result = store
+        .claim(
+            &TenantId::none(),
+            &IdempotencyKey::parse(key.as_bytes(), 255).unwrap(),
+            &fp,
+            owner,
+            lease,
+            Duration::from_secs(3600),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(result, ClaimResult::Claimed(_)));
+    owner
+}
+
+// Row "in flight, lease expired", same fingerprint: take over, new owner,
+// attempt 2 reaches the upstream.
+#[tokio::test]
+async fn expired_lease_is_taken_over_with_a_new_owner_and_attempt_2() {
+    let h = Harness::start(Setup::default()).await;
+    let stale = abandoned_claim(&h, "k-takeover", PAY, Duration::from_millis(200)).await;
+    // Before expiry: 409.
+    h.post("/v1/payments", "k-takeover", PAY).await.assert_problem(409, "request-in-progress");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = h.post("/v1/payments", "k-takeover", PAY).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(h.upstream.executions("k-takeover"), 1);
+    assert_eq!(h.upstream.requests()[0].header("idempotency-attempt"), Some(&b"2"[..]));
+    let c = h.db.client().await;
+    let owner: uuid::Uuid = c
+        .query_one("SELECT owner_token FROM idempotency_records WHERE idempotency_key = 'k-takeover'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(owner, stale.as_uuid(), "the takeover minted a new owner token");
+    assert_eq!(h.record_state("", "k-takeover").await, Some(("completed".into(), 2)));
+    assert_eq!(h.running().metrics.request_count("default", idemproxy::metrics::Outcome::Claimed), 1);
+}
+
+// Row "in flight, lease expired", different fingerprint: 422.
+#[tokio::test]
+async fn expired_lease_with_different_body_is_422_and_not_taken_over() {
+    let h = Harness::start(Setup::default()).await;
+    abandoned_claim(&h, "k-expired-422", PAY, Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.post("/v1/payments", "k-expired-422", r#"{"amount": 1}"#)
+        .await
+        .assert_problem(422, "key-reused");
+    assert_eq!(h.upstream.total_requests(), 0);
+    assert_eq!(h.record_state("", "k-expired-422").await, Some(("in_flight".into(), 1)));
+}
+
+// The fence: a stale owner's completion never overwrites its successor's.
+#[tokio::test]
+async fn stale_owner_completion_is_refused_by_the_fence() {
+    let h = Harness::start(Setup::default()).await;
+    let store = h.store();
+    let tenant = TenantId::none();
+    let key = IdempotencyKey::parse(b"k-fence", 255).unwrap();
+    let fp = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, None, b"x");
+    let a = OwnerToken::mint();
+    let lease = Duration::from_millis(100);
+    let retention = Duration::from_secs(60);
+    assert!(matches!(
+        store.claim(&tenant, &key, &fp, a, lease, retention).await.unwrap(),
+        ClaimResult::Claimed(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let b = OwnerToken::mint();
+    let claim = store
+        .replace(&tenant, &key, &fp, b, Replace::TakeOver(a), lease, retention)
+        .await
+        .unwrap()
+        .expect("takeover after the lease expired");
+    assert_eq!(claim.attempt, 2);
+    // A cannot take over again from itself, nor renew, nor release.
+    assert!(!store.renew(&tenant, &key, a, lease).await.unwrap());
+    assert!(!store.release(&tenant, &key, a).await.unwrap());
+    let response = |body: &'static [u8]| StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), "text/plain".into())],
+        body: Some(body.into()),
+    };
+    assert!(store.complete(&tenant, &key, b, &response(b"B"), retention).await.unwrap().is_some());
+    assert_eq!(store.complete(&tenant, &key, a, &response(b"A"), retention).await.unwrap(), None);
+    match store.claim(&tenant, &key, &fp, OwnerToken::mint(), lease, retention).await.unwrap() {
+        ClaimResult::Existing(x) => assert_eq!(x.response.unwrap().body.unwrap(), &b"B"[..]),
+        other => panic!("expected the completed record, got {other:?}"),
+    }
+}
+
+// Two racing takeovers: exactly one wins.
+#[tokio::test]
+async fn racing_takeovers_have_exactly_one_winner() {
+    let h = Harness::start(Setup::default()).await;
+    let store = h.store();
+    let tenant = TenantId::none();
+    let key = IdempotencyKey::parse(b"k-race", 255).unwrap();
+    let fp = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, None, b"x");
+    let a = OwnerToken::mint();
+    store
+        .claim(&tenant, &key, &fp, a, Duration::from_millis(50), Duration::from_secs(60))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            store
+                .replace(&tenant, &key, &fp, OwnerToken::mint(), Replace::TakeOver(a), Duration::from_secs(5), Duration::from_secs(60))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut winners = 0;
+    for t in tasks {
+        winners += usize::from(t.await.unwrap().is_some());
+    }
+    assert_eq!(winners, 1);
+}
+
+// The lease is renewed while a slow upstream call is in flight: a
+// duplicate long after the first lease would have run out still gets 409.
+#[tokio::test]
+async fn lease_is_renewed_while_a_slow_upstream_call_is_in_flight() {
+    let h = Harness::start(Setup::default().defaults("lease = \"300ms\"\nretention = \"1h\"\n")).await;
+    let url = h.url("/v1/payments");
+    let client = h.client.clone();
+    let original = tokio::spawn(async move {
+        client
+            .send(Req::post(&url).key("k-renew").json(PAY).header("x-sample-delay-ms", "1500"))
+            .await
+    });
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        h.post("/v1/payments", "k-renew", PAY).await.assert_problem(409, "request-in-progress");
+    }
+    assert_eq!(original.await.unwrap().status, 201);
+    assert_eq!(h.upstream.executions("k-renew"), 1);
+    assert!(h.post("/v1/payments", "k-renew", PAY).await.replayed());
+    let metrics = h.running().metrics.render();
+    assert!(metrics.contains(r#"idemproxy_lease_renewals_total{result="ok"}"#), "{metrics}");
+}
+
+// The interesting duplicates arrive at the same time.
+#[tokio::test]
+async fn fifty_concurrent_identical_requests_execute_exactly_once() {
+    let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
+    let url = h.url("/v1/payments");
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let client = common::HttpClient::new();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            client
+                .send(Req::post(&url).key("k-herd").json(PAY).header("x-sample-delay-ms", "500"))
+                .await
+        }));
+    }
+    let mut created = 0;
+    let mut conflicts = 0;
+    let mut replays = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status.as_u16() {
+            201 if r.replayed() => replays += 1,
+            201 => created += 1,
+            409 => conflicts += 1,
+            s => panic!("unexpected {s}: {}", r.text()),
+        }
+    }
+    assert_eq!(created, 1, "exactly one request executed");
+    assert_eq!(created + conflicts + replays, 50);
+    assert_eq!(h.upstream.executions("k-herd"), 1);
+}
+
+// Row "absent (or expired past retention)": a record past retention is
+// treated as absent even before the sweeper deletes it.
+#[tokio::test]
+async fn record_past_retention_is_treated_as_absent() {
+    let h = Harness::start(Setup::default().defaults("lease = \"200ms\"\nretention = \"1s\"\n")).await;
+    h.post("/v1/payments", "k-retention", PAY).await;
+    assert!(h.post("/v1/payments", "k-retention", PAY).await.replayed());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Even a different body: the old record is gone as far as answers go.
+    let r = h.post("/v1/payments", "k-retention", r#"{"amount": 7}"#).await;
+    assert_eq!(r.status, 201);
+    assert!(!r.replayed());
+    assert_eq!(h.upstream.executions("k-retention"), 2);
+    assert_eq!(h.upstream.requests()[1].header("idempotency-attempt"), Some(&b"1"[..]));
+    assert_eq!(h.record_count().await, 1);
+}
