@@ -33,7 +33,10 @@ impl Admin {
 
     async fn readiness(&self) -> (StatusCode, String) {
         if self.draining.load(Ordering::SeqCst) {
-            return (StatusCode::SERVICE_UNAVAILABLE, "not ready: draining\n".into());
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not ready: draining\n".into(),
+            );
         }
         match self.store.ready().await {
             Ok(true) => (StatusCode::OK, "ready\n".into()),
@@ -46,7 +49,11 @@ impl Admin {
     }
 }
 
-fn text(status: StatusCode, body: impl Into<Bytes>, content_type: &'static str) -> Response<ProxyBody> {
+fn text(
+    status: StatusCode,
+    body: impl Into<Bytes>,
+    content_type: &'static str,
+) -> Response<ProxyBody> {
     let mut resp = Response::new(full(body.into()));
     *resp.status_mut() = status;
     resp.headers_mut()
@@ -55,7 +62,11 @@ fn text(status: StatusCode, body: impl Into<Bytes>, content_type: &'static str) 
 }
 
 impl Handler for Admin {
-    async fn call(self: Arc<Self>, req: Request<Incoming>, _client: ClientInfo) -> Response<ProxyBody> {
+    async fn call(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        _client: ClientInfo,
+    ) -> Response<ProxyBody> {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n", "text/plain");
         }

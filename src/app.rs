@@ -80,7 +80,12 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         .with_context(|| format!("binding the proxy listener on {}", config.server.listen))?;
     let admin_listener = TcpListener::bind(config.server.admin_listen)
         .await
-        .with_context(|| format!("binding the admin listener on {}", config.server.admin_listen))?;
+        .with_context(|| {
+            format!(
+                "binding the admin listener on {}",
+                config.server.admin_listen
+            )
+        })?;
     let proxy_addr = proxy_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
@@ -100,7 +105,12 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         ));
     }
 
-    let proxy = Arc::new(Proxy::new(config.clone(), store.clone(), upstream, metrics.clone()));
+    let proxy = Arc::new(Proxy::new(
+        config.clone(),
+        store.clone(),
+        upstream,
+        metrics.clone(),
+    ));
     let proxy_task = tokio::spawn(server::serve(
         proxy_listener,
         proxy,

@@ -223,15 +223,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 fn fmt_time(t: Option<SystemTime>) -> String {
-    t.map_or_else(|| "-".into(), |t| httpdate::fmt_http_date(t))
+    t.map_or_else(|| "-".into(), httpdate::fmt_http_date)
 }
 
 async fn keys(command: KeysCommand) -> anyhow::Result<ExitCode> {
     match command {
-        KeysCommand::Show { common, target, body } => {
+        KeysCommand::Show {
+            common,
+            target,
+            body,
+        } => {
             let config = load_config(&common, Overrides::default())?;
             let store = Store::new(&config.store)?;
-            let Some(r) = store.show(&target.stored_tenant(), &target.key, body).await? else {
+            let Some(r) = store
+                .show(&target.stored_tenant(), &target.key, body)
+                .await?
+            else {
                 println!("no record for this tenant and key");
                 return Ok(ExitCode::from(3));
             };
@@ -254,7 +261,8 @@ async fn keys(command: KeysCommand) -> anyhow::Result<ExitCode> {
             println!("expires:         {}", fmt_time(Some(r.expires_at)));
             println!(
                 "response status: {}",
-                r.response_status.map_or_else(|| "-".into(), |s| s.to_string())
+                r.response_status
+                    .map_or_else(|| "-".into(), |s| s.to_string())
             );
             let size = match (r.response_body_omitted, r.response_body_len) {
                 (true, _) => "not stored (exceeded max_stored_response)".into(),
@@ -289,7 +297,12 @@ async fn keys(command: KeysCommand) -> anyhow::Result<ExitCode> {
                 );
                 return Ok(ExitCode::FAILURE);
             }
-            if !yes && !confirm(&format!("delete the {} record of key {}? [y/N] ", r.state, r.key))? {
+            if !yes
+                && !confirm(&format!(
+                    "delete the {} record of key {}? [y/N] ",
+                    r.state, r.key
+                ))?
+            {
                 println!("nothing deleted");
                 return Ok(ExitCode::FAILURE);
             }
@@ -299,7 +312,9 @@ async fn keys(command: KeysCommand) -> anyhow::Result<ExitCode> {
                     Ok(ExitCode::SUCCESS)
                 }
                 None => {
-                    eprintln!("nothing deleted: the record changed meanwhile (completed or already gone)");
+                    eprintln!(
+                        "nothing deleted: the record changed meanwhile (completed or already gone)"
+                    );
                     Ok(ExitCode::FAILURE)
                 }
             }

@@ -1153,7 +1153,7 @@ impl<'a> Checker<'a> {
             .enumerate()
             .map(|(index, route)| self.route(index, route, template, defaults))
             .collect();
-        self.check_route_order(raw, &routes);
+        self.check_route_order(raw, template);
         routes.into_iter().collect()
     }
 
@@ -1222,43 +1222,59 @@ impl<'a> Checker<'a> {
 
     /// First match wins, so a route after a shorter prefix of its own is
     /// dead; and names label metrics, so explicit names must be unique.
-    fn check_route_order(&mut self, raw: &[RawRoute], routes: &[Option<Route>]) {
-        for (later_index, later) in routes.iter().enumerate() {
-            let Some(later) = later else { continue };
-            let earlier = routes[..later_index].iter().enumerate().find_map(|(i, r)| {
-                r.as_ref()
-                    .filter(|r| later.path_prefix.starts_with(&r.path_prefix))
-                    .map(|r| (i, r))
-            });
-            if let Some((earlier_index, earlier)) = earlier {
-                let span = match raw.get(later_index).and_then(|r| r.path_prefix.as_ref()) {
+    /// Works from the prefixes and names alone, so a route with other
+    /// problems is still checked.
+    fn check_route_order(&mut self, raw: &[RawRoute], template: Option<&Route>) {
+        let prefixes: Vec<Option<&str>> = raw
+            .iter()
+            .map(|route| match &route.path_prefix {
+                Some(v) => Some(v.get_ref().as_str()).filter(|p| p.starts_with('/')),
+                None => template.map(|t| t.path_prefix.as_str()),
+            })
+            .collect();
+        let names: Vec<Option<&str>> = raw
+            .iter()
+            .zip(&prefixes)
+            .map(|(route, prefix)| match &route.name {
+                Some(v) => Some(v.get_ref().as_str()),
+                None => *prefix,
+            })
+            .collect();
+        for (later, (route, prefix)) in raw.iter().zip(&prefixes).enumerate() {
+            let shadowing =
+                prefix.and_then(|prefix| {
+                    prefixes.iter().take(later).enumerate().find_map(|(i, p)| {
+                        p.filter(|p| prefix.starts_with(p)).map(|p| (i, p, prefix))
+                    })
+                });
+            if let Some((earlier, earlier_prefix, prefix)) = shadowing {
+                let span = match &route.path_prefix {
                     Some(v) => Some(v.span()),
-                    None => self.route_span(later_index),
+                    None => self.route_span(later),
                 };
                 self.report(
-                    &format!("route[{later_index}].path_prefix"),
+                    &format!("route[{later}].path_prefix"),
                     span,
                     format!(
-                        "unreachable: route[{earlier_index}] ({:?}) comes first and matches every path {:?} matches; list the more specific prefix first",
-                        earlier.path_prefix, later.path_prefix
+                        "unreachable: route[{earlier}] ({earlier_prefix:?}) comes first and matches every path {prefix:?} matches; list the more specific prefix first"
                     ),
                 );
             }
-            let Some(name) = raw.get(later_index).and_then(|r| r.name.as_ref()) else {
-                continue;
-            };
-            let duplicate = routes[..later_index]
-                .iter()
-                .position(|r| r.as_ref().is_some_and(|r| r.name == later.name));
-            if let Some(earlier_index) = duplicate {
-                self.bad::<_, ()>(
-                    &format!("route[{later_index}].name"),
-                    name,
-                    format!(
-                        "duplicate route name {:?} (also route[{earlier_index}])",
-                        later.name
-                    ),
-                );
+            if let Some(name) = &route.name {
+                let duplicate = names
+                    .iter()
+                    .take(later)
+                    .position(|n| *n == Some(name.get_ref().as_str()));
+                if let Some(earlier) = duplicate {
+                    self.bad::<_, ()>(
+                        &format!("route[{later}].name"),
+                        name,
+                        format!(
+                            "duplicate route name {:?} (also route[{earlier}])",
+                            name.get_ref()
+                        ),
+                    );
+                }
             }
         }
     }
@@ -1974,6 +1990,13 @@ retention = \"0s\"
         assert_eq!(p[0].key, "route[1].path_prefix");
         assert_eq!(p[0].line, Some(4));
         assert!(p[0].message.contains("route[0]"));
+
+        // Checked even when the route has other problems.
+        let p = problems(
+            "[[route]]\npath_prefix = \"/v1/\"\n[[route]]\npath_prefix = \"/v1/x\"\nlease = \"soon\"\n",
+        );
+        assert_eq!(problem(&p, "route[1].path_prefix").line, Some(4));
+        assert_eq!(problem(&p, "route[1].lease").line, Some(5));
 
         // Without a path_prefix of its own, the [[route]] header is named.
         let p = problems("[[route]]\npath_prefix = \"/\"\n\n[[route]]\nlease = \"5s\"\n");

@@ -8,8 +8,8 @@
 //! upstream timeout. A renewal that finds the lease lost stops renewing but
 //! does not abort the call: aborting would only make its outcome unknown.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::idempotency::{IdempotencyKey, OwnerToken, TenantId};
@@ -87,7 +87,13 @@ mod tests {
 
     #[test]
     fn renews_about_every_third_of_the_lease() {
-        assert_eq!(renewal_period(Duration::from_secs(30)), Duration::from_secs(10));
-        assert_eq!(renewal_period(Duration::from_millis(60)), Duration::from_millis(50));
+        assert_eq!(
+            renewal_period(Duration::from_secs(30)),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            renewal_period(Duration::from_millis(60)),
+            Duration::from_millis(50)
+        );
     }
 }

@@ -29,7 +29,11 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 impl Handler for Proxy {
-    async fn call(self: Arc<Self>, req: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
+    async fn call(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Response<ProxyBody> {
         self.handle(req, client).await
     }
 }

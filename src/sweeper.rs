@@ -16,7 +16,11 @@ use crate::store::{Store, StoreError};
 
 /// One full pass: batches until a batch comes back short. Returns the
 /// number of records deleted.
-pub async fn sweep_once(store: &Store, metrics: &Metrics, batch_size: u32) -> Result<u64, StoreError> {
+pub async fn sweep_once(
+    store: &Store,
+    metrics: &Metrics,
+    batch_size: u32,
+) -> Result<u64, StoreError> {
     let mut total = 0;
     loop {
         let t = Instant::now();
@@ -33,7 +37,12 @@ pub async fn sweep_once(store: &Store, metrics: &Metrics, batch_size: u32) -> Re
 }
 
 /// Sweeps every `interval` until shutdown.
-pub async fn run(store: Store, metrics: std::sync::Arc<Metrics>, config: SweeperConfig, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(
+    store: Store,
+    metrics: std::sync::Arc<Metrics>,
+    config: SweeperConfig,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             () = tokio::time::sleep(config.interval) => {}

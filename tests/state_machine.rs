@@ -22,7 +22,10 @@ async fn absent_key_is_claimed_and_forwarded_once_with_attempt_1() {
     let seen = &h.upstream.requests()[0];
     assert_eq!(seen.header("idempotency-key"), Some(&b"k-absent"[..]));
     assert_eq!(seen.header("idempotency-attempt"), Some(&b"1"[..]));
-    assert_eq!(h.record_state("", "k-absent").await, Some(("completed".into(), 1)));
+    assert_eq!(
+        h.record_state("", "k-absent").await,
+        Some(("completed".into(), 1))
+    );
 }
 
 // Row "completed", same fingerprint: replay verbatim.
@@ -30,11 +33,21 @@ async fn absent_key_is_claimed_and_forwarded_once_with_attempt_1() {
 async fn completed_key_replays_status_headers_and_body_verbatim() {
     let h = Harness::start(Setup::default()).await;
     let first = h
-        .send(Req::post("/v1/payments").key("k-replay").json(PAY).header("x-sample-set-cookie", "3"))
+        .send(
+            Req::post("/v1/payments")
+                .key("k-replay")
+                .json(PAY)
+                .header("x-sample-set-cookie", "3"),
+        )
         .await;
     assert_eq!(first.status, 201);
     let again = h
-        .send(Req::post("/v1/payments").key("k-replay").json(PAY).header("x-sample-set-cookie", "3"))
+        .send(
+            Req::post("/v1/payments")
+                .key("k-replay")
+                .json(PAY)
+                .header("x-sample-set-cookie", "3"),
+        )
         .await;
     assert_eq!(again.status, first.status);
     assert_eq!(again.body, first.body, "body bytes differ");
@@ -43,16 +56,25 @@ async fn completed_key_replays_status_headers_and_body_verbatim() {
     let cookies: Vec<_> = again.headers.get_all("set-cookie").iter().collect();
     assert_eq!(cookies, ["c1=v1", "c2=v2", "c3=v3"]);
     assert_eq!(again.header("content-type"), first.header("content-type"));
-    assert_eq!(again.header("x-sample-execution"), first.header("x-sample-execution"));
-    assert!(again.header("date").is_some(), "a replay carries a fresh Date");
+    assert_eq!(
+        again.header("x-sample-execution"),
+        first.header("x-sample-execution")
+    );
+    assert!(
+        again.header("date").is_some(),
+        "a replay carries a fresh Date"
+    );
 }
 
 // A retry from a client whose serialiser orders keys differently matches.
 #[tokio::test]
 async fn reordered_json_body_is_the_same_request() {
     let h = Harness::start(Setup::default()).await;
-    h.post("/v1/payments", "k-order", r#"{"a":1,"b":[1,2]}"#).await;
-    let r = h.post("/v1/payments", "k-order", "{ \"b\": [1, 2], \"a\": 1 }").await;
+    h.post("/v1/payments", "k-order", r#"{"a":1,"b":[1,2]}"#)
+        .await;
+    let r = h
+        .post("/v1/payments", "k-order", "{ \"b\": [1, 2], \"a\": 1 }")
+        .await;
     assert!(r.replayed(), "{}", r.text());
     assert_eq!(h.upstream.executions("k-order"), 1);
 }
@@ -62,18 +84,34 @@ async fn reordered_json_body_is_the_same_request() {
 async fn completed_key_with_different_body_path_or_method_is_422() {
     let h = Harness::start(Setup::default().defaults("methods = [\"POST\", \"PATCH\"]\n")).await;
     h.post("/v1/payments", "k-mismatch", PAY).await;
-    h.post("/v1/payments", "k-mismatch", r#"{"amount": 101, "currency": "EUR"}"#)
+    h.post(
+        "/v1/payments",
+        "k-mismatch",
+        r#"{"amount": 101, "currency": "EUR"}"#,
+    )
+    .await
+    .assert_problem(422, "key-reused");
+    h.post("/v1/refunds", "k-mismatch", PAY)
         .await
         .assert_problem(422, "key-reused");
-    h.post("/v1/refunds", "k-mismatch", PAY).await.assert_problem(422, "key-reused");
-    h.send(Req::new(http::Method::PATCH, "/v1/payments").key("k-mismatch").json(PAY))
+    h.send(
+        Req::new(http::Method::PATCH, "/v1/payments")
+            .key("k-mismatch")
+            .json(PAY),
+    )
+    .await
+    .assert_problem(422, "key-reused");
+    h.post("/v1/payments?x=1", "k-mismatch", PAY)
         .await
         .assert_problem(422, "key-reused");
-    h.post("/v1/payments?x=1", "k-mismatch", PAY).await.assert_problem(422, "key-reused");
     // Number text is kept: 100 and 100.0 are different requests.
-    h.post("/v1/payments", "k-mismatch", r#"{"amount": 100.0, "currency": "EUR"}"#)
-        .await
-        .assert_problem(422, "key-reused");
+    h.post(
+        "/v1/payments",
+        "k-mismatch",
+        r#"{"amount": 100.0, "currency": "EUR"}"#,
+    )
+    .await
+    .assert_problem(422, "key-reused");
     assert_eq!(h.upstream.executions("k-mismatch"), 1);
 }
 
@@ -81,7 +119,10 @@ async fn completed_key_with_different_body_path_or_method_is_422() {
 #[tokio::test]
 async fn in_flight_duplicate_gets_409_with_retry_after() {
     let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
-    let slow = Req::post("/v1/payments").key("k-409").json(PAY).header("x-sample-delay-ms", "1500");
+    let slow = Req::post("/v1/payments")
+        .key("k-409")
+        .json(PAY)
+        .header("x-sample-delay-ms", "1500");
     let original = {
         let h_client = h.client.clone();
         let url = h.url("/v1/payments");
@@ -110,7 +151,12 @@ async fn in_flight_key_with_different_body_is_422() {
     let client = h.client.clone();
     let original = tokio::spawn(async move {
         client
-            .send(Req::post(&url).key("k-422-inflight").json(PAY).header("x-sample-delay-ms", "1000"))
+            .send(
+                Req::post(&url)
+                    .key("k-422-inflight")
+                    .json(PAY)
+                    .header("x-sample-delay-ms", "1000"),
+            )
             .await
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -155,21 +201,41 @@ async fn expired_lease_is_taken_over_with_a_new_owner_and_attempt_2() {
     let h = Harness::start(Setup::default()).await;
     let stale = abandoned_claim(&h, "k-takeover", PAY, Duration::from_millis(200)).await;
     // Before expiry: 409.
-    h.post("/v1/payments", "k-takeover", PAY).await.assert_problem(409, "request-in-progress");
+    h.post("/v1/payments", "k-takeover", PAY)
+        .await
+        .assert_problem(409, "request-in-progress");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r = h.post("/v1/payments", "k-takeover", PAY).await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(h.upstream.executions("k-takeover"), 1);
-    assert_eq!(h.upstream.requests()[0].header("idempotency-attempt"), Some(&b"2"[..]));
+    assert_eq!(
+        h.upstream.requests()[0].header("idempotency-attempt"),
+        Some(&b"2"[..])
+    );
     let c = h.db.client().await;
     let owner: uuid::Uuid = c
-        .query_one("SELECT owner_token FROM idempotency_records WHERE idempotency_key = 'k-takeover'", &[])
+        .query_one(
+            "SELECT owner_token FROM idempotency_records WHERE idempotency_key = 'k-takeover'",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
-    assert_ne!(owner, stale.as_uuid(), "the takeover minted a new owner token");
-    assert_eq!(h.record_state("", "k-takeover").await, Some(("completed".into(), 2)));
-    assert_eq!(h.running().metrics.request_count("default", idemproxy::metrics::Outcome::Claimed), 1);
+    assert_ne!(
+        owner,
+        stale.as_uuid(),
+        "the takeover minted a new owner token"
+    );
+    assert_eq!(
+        h.record_state("", "k-takeover").await,
+        Some(("completed".into(), 2))
+    );
+    assert_eq!(
+        h.running()
+            .metrics
+            .request_count("default", idemproxy::metrics::Outcome::Claimed),
+        1
+    );
 }
 
 // Row "in flight, lease expired", different fingerprint: 422.
@@ -182,7 +248,10 @@ async fn expired_lease_with_different_body_is_422_and_not_taken_over() {
         .await
         .assert_problem(422, "key-reused");
     assert_eq!(h.upstream.total_requests(), 0);
-    assert_eq!(h.record_state("", "k-expired-422").await, Some(("in_flight".into(), 1)));
+    assert_eq!(
+        h.record_state("", "k-expired-422").await,
+        Some(("in_flight".into(), 1))
+    );
 }
 
 // The fence: a stale owner's completion never overwrites its successor's.
@@ -197,13 +266,24 @@ async fn stale_owner_completion_is_refused_by_the_fence() {
     let lease = Duration::from_millis(100);
     let retention = Duration::from_secs(60);
     assert!(matches!(
-        store.claim(&tenant, &key, &fp, a, lease, retention).await.unwrap(),
+        store
+            .claim(&tenant, &key, &fp, a, lease, retention)
+            .await
+            .unwrap(),
         ClaimResult::Claimed(_)
     ));
     tokio::time::sleep(Duration::from_millis(150)).await;
     let b = OwnerToken::mint();
     let claim = store
-        .replace(&tenant, &key, &fp, b, Replace::TakeOver(a), lease, retention)
+        .replace(
+            &tenant,
+            &key,
+            &fp,
+            b,
+            Replace::TakeOver(a),
+            lease,
+            retention,
+        )
         .await
         .unwrap()
         .expect("takeover after the lease expired");
@@ -216,9 +296,23 @@ async fn stale_owner_completion_is_refused_by_the_fence() {
         headers: vec![("content-type".into(), "text/plain".into())],
         body: Some(body.into()),
     };
-    assert!(store.complete(&tenant, &key, b, &response(b"B"), retention).await.unwrap().is_some());
-    assert_eq!(store.complete(&tenant, &key, a, &response(b"A"), retention).await.unwrap(), None);
-    match store.claim(&tenant, &key, &fp, OwnerToken::mint(), lease, retention).await.unwrap() {
+    assert!(store
+        .complete(&tenant, &key, b, &response(b"B"), retention)
+        .await
+        .unwrap()
+        .is_some());
+    assert_eq!(
+        store
+            .complete(&tenant, &key, a, &response(b"A"), retention)
+            .await
+            .unwrap(),
+        None
+    );
+    match store
+        .claim(&tenant, &key, &fp, OwnerToken::mint(), lease, retention)
+        .await
+        .unwrap()
+    {
         ClaimResult::Existing(x) => assert_eq!(x.response.unwrap().body.unwrap(), &b"B"[..]),
         other => panic!("expected the completed record, got {other:?}"),
     }
@@ -234,7 +328,14 @@ async fn racing_takeovers_have_exactly_one_winner() {
     let fp = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, None, b"x");
     let a = OwnerToken::mint();
     store
-        .claim(&tenant, &key, &fp, a, Duration::from_millis(50), Duration::from_secs(60))
+        .claim(
+            &tenant,
+            &key,
+            &fp,
+            a,
+            Duration::from_millis(50),
+            Duration::from_secs(60),
+        )
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -243,7 +344,15 @@ async fn racing_takeovers_have_exactly_one_winner() {
         let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
         tasks.push(tokio::spawn(async move {
             store
-                .replace(&tenant, &key, &fp, OwnerToken::mint(), Replace::TakeOver(a), Duration::from_secs(5), Duration::from_secs(60))
+                .replace(
+                    &tenant,
+                    &key,
+                    &fp,
+                    OwnerToken::mint(),
+                    Replace::TakeOver(a),
+                    Duration::from_secs(5),
+                    Duration::from_secs(60),
+                )
                 .await
                 .unwrap()
         }));
@@ -259,23 +368,34 @@ async fn racing_takeovers_have_exactly_one_winner() {
 // duplicate long after the first lease would have run out still gets 409.
 #[tokio::test]
 async fn lease_is_renewed_while_a_slow_upstream_call_is_in_flight() {
-    let h = Harness::start(Setup::default().defaults("lease = \"300ms\"\nretention = \"1h\"\n")).await;
+    let h =
+        Harness::start(Setup::default().defaults("lease = \"300ms\"\nretention = \"1h\"\n")).await;
     let url = h.url("/v1/payments");
     let client = h.client.clone();
     let original = tokio::spawn(async move {
         client
-            .send(Req::post(&url).key("k-renew").json(PAY).header("x-sample-delay-ms", "1500"))
+            .send(
+                Req::post(&url)
+                    .key("k-renew")
+                    .json(PAY)
+                    .header("x-sample-delay-ms", "1500"),
+            )
             .await
     });
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        h.post("/v1/payments", "k-renew", PAY).await.assert_problem(409, "request-in-progress");
+        h.post("/v1/payments", "k-renew", PAY)
+            .await
+            .assert_problem(409, "request-in-progress");
     }
     assert_eq!(original.await.unwrap().status, 201);
     assert_eq!(h.upstream.executions("k-renew"), 1);
     assert!(h.post("/v1/payments", "k-renew", PAY).await.replayed());
     let metrics = h.running().metrics.render();
-    assert!(metrics.contains(r#"idemproxy_lease_renewals_total{result="ok"}"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"idemproxy_lease_renewals_total{result="ok"}"#),
+        "{metrics}"
+    );
 }
 
 // The interesting duplicates arrive at the same time.
@@ -289,7 +409,12 @@ async fn fifty_concurrent_identical_requests_execute_exactly_once() {
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             client
-                .send(Req::post(&url).key("k-herd").json(PAY).header("x-sample-delay-ms", "500"))
+                .send(
+                    Req::post(&url)
+                        .key("k-herd")
+                        .json(PAY)
+                        .header("x-sample-delay-ms", "500"),
+                )
                 .await
         }));
     }
@@ -314,15 +439,21 @@ async fn fifty_concurrent_identical_requests_execute_exactly_once() {
 // treated as absent even before the sweeper deletes it.
 #[tokio::test]
 async fn record_past_retention_is_treated_as_absent() {
-    let h = Harness::start(Setup::default().defaults("lease = \"200ms\"\nretention = \"1s\"\n")).await;
+    let h =
+        Harness::start(Setup::default().defaults("lease = \"200ms\"\nretention = \"1s\"\n")).await;
     h.post("/v1/payments", "k-retention", PAY).await;
     assert!(h.post("/v1/payments", "k-retention", PAY).await.replayed());
     tokio::time::sleep(Duration::from_millis(1200)).await;
     // Even a different body: the old record is gone as far as answers go.
-    let r = h.post("/v1/payments", "k-retention", r#"{"amount": 7}"#).await;
+    let r = h
+        .post("/v1/payments", "k-retention", r#"{"amount": 7}"#)
+        .await;
     assert_eq!(r.status, 201);
     assert!(!r.replayed());
     assert_eq!(h.upstream.executions("k-retention"), 2);
-    assert_eq!(h.upstream.requests()[1].header("idempotency-attempt"), Some(&b"1"[..]));
+    assert_eq!(
+        h.upstream.requests()[1].header("idempotency-attempt"),
+        Some(&b"1"[..])
+    );
     assert_eq!(h.record_count().await, 1);
 }

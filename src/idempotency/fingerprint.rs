@@ -342,7 +342,7 @@ mod tests {
         let leaf = prop_oneof![
             Just(Value::Null),
             any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(|n| Value::from(n)),
+            any::<i64>().prop_map(Value::from),
             "[a-z\\u{e9}\\u{1F600}\"\\\\]{0,8}".prop_map(Value::String),
         ];
         leaf.prop_recursive(4, 32, 6, |inner| {

@@ -95,7 +95,10 @@ mod tests {
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (n, v) in pairs {
-            h.append(HeaderName::from_bytes(n.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.append(
+                HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
@@ -142,8 +145,16 @@ mod tests {
 
     #[test]
     fn forwarded_headers_append_to_what_the_client_sent() {
-        let mut h = map(&[("x-forwarded-for", "10.0.0.1"), ("x-forwarded-for", "10.0.0.2")]);
-        add_forwarded(&mut h, "127.0.0.1".parse().unwrap(), "http", Some("api.example"));
+        let mut h = map(&[
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-for", "10.0.0.2"),
+        ]);
+        add_forwarded(
+            &mut h,
+            "127.0.0.1".parse().unwrap(),
+            "http",
+            Some("api.example"),
+        );
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 127.0.0.1");
         assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
         assert_eq!(h["x-forwarded-proto"], "http");

@@ -35,8 +35,8 @@ use tracing::{info, warn};
 use crate::config::{Config, KeyRequirement, OnStoreError, Route};
 use crate::idempotency::decision::retry_after_secs;
 use crate::idempotency::{
-    decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, Settlement, TenantError, TenantId,
-    UpstreamOutcome,
+    decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, Settlement, TenantError,
+    TenantId, UpstreamOutcome,
 };
 use crate::lease::LeaseHolder;
 use crate::metrics::{Metrics, Outcome};
@@ -119,7 +119,12 @@ pub struct Proxy {
 
 impl Proxy {
     /// Wires the proxy.
-    pub fn new(config: Arc<Config>, store: Store, upstream: Upstream, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        config: Arc<Config>,
+        store: Store,
+        upstream: Upstream,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Proxy {
             config,
             store,
@@ -168,11 +173,22 @@ impl Proxy {
     }
 
     /// Validates key and tenant, then reads and fingerprints the body.
-    async fn admit<'a>(&self, route: &'a Route, req: Request<Incoming>, client: ClientInfo) -> Admission<'a> {
+    async fn admit<'a>(
+        &self,
+        route: &'a Route,
+        req: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Admission<'a> {
         let policy = &route.policy;
-        let refuse = |kind, detail: String| Admission::Refused(Handled::problem(Problem::new(kind, detail), Outcome::Rejected));
+        let refuse = |kind, detail: String| {
+            Admission::Refused(Handled::problem(
+                Problem::new(kind, detail),
+                Outcome::Rejected,
+            ))
+        };
         let key = {
-            let values: Vec<&HeaderValue> = req.headers().get_all(&policy.key_header).iter().collect();
+            let values: Vec<&HeaderValue> =
+                req.headers().get_all(&policy.key_header).iter().collect();
             match values.as_slice() {
                 [] => match policy.key {
                     KeyRequirement::Optional => return Admission::PassThrough(req),
@@ -193,10 +209,22 @@ impl Proxy {
         let tenant = match &route.tenant_header {
             None => TenantId::none(),
             Some(h) => {
-                let values: Vec<&[u8]> = req.headers().get_all(h).iter().map(|v| v.as_bytes()).collect();
-                match TenantId::from_header(h.as_str(), &values, route.tenant_required, route.tenant_hash) {
+                let values: Vec<&[u8]> = req
+                    .headers()
+                    .get_all(h)
+                    .iter()
+                    .map(|v| v.as_bytes())
+                    .collect();
+                match TenantId::from_header(
+                    h.as_str(),
+                    &values,
+                    route.tenant_required,
+                    route.tenant_hash,
+                ) {
                     Ok(t) => t,
-                    Err(e @ TenantError::Missing { .. }) => return refuse(ProblemKind::MissingTenant, e.to_string()),
+                    Err(e @ TenantError::Missing { .. }) => {
+                        return refuse(ProblemKind::MissingTenant, e.to_string())
+                    }
                     Err(e) => return refuse(ProblemKind::InvalidTenant, e.to_string()),
                 }
             }
@@ -217,7 +245,10 @@ impl Proxy {
             return too_large();
         }
         let (parts, body) = req.into_parts();
-        let body = match Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX)).collect().await {
+        let body = match Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX))
+            .collect()
+            .await
+        {
             Ok(c) => c.to_bytes(),
             Err(e) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
             Err(e) => {
@@ -257,7 +288,14 @@ impl Proxy {
             let t = Instant::now();
             let result = self
                 .store
-                .claim(&k.tenant, &k.key, &k.fingerprint, owner, policy.lease, policy.retention)
+                .claim(
+                    &k.tenant,
+                    &k.key,
+                    &k.fingerprint,
+                    owner,
+                    policy.lease,
+                    policy.retention,
+                )
                 .await;
             self.metrics.store("claim", t.elapsed());
             let existing = match result {
@@ -283,7 +321,15 @@ impl Proxy {
             let t = Instant::now();
             let result = self
                 .store
-                .replace(&k.tenant, &k.key, &k.fingerprint, owner, replace, policy.lease, policy.retention)
+                .replace(
+                    &k.tenant,
+                    &k.key,
+                    &k.fingerprint,
+                    owner,
+                    replace,
+                    policy.lease,
+                    policy.retention,
+                )
                 .await;
             self.metrics.store("replace", t.elapsed());
             match result {
@@ -314,12 +360,20 @@ impl Proxy {
         let _in_flight = scopeguard(move || {
             in_flight.dec();
         });
-        let mut req = match self.forward_request(&k.parts, full(k.body.clone()), k.client, Some(claim.attempt)) {
+        let mut req = match self.forward_request(
+            &k.parts,
+            full(k.body.clone()),
+            k.client,
+            Some(claim.attempt),
+        ) {
             Ok(r) => r,
             Err(e) => {
                 self.release(k, claim).await;
                 return Handled::problem(
-                    Problem::new(ProblemKind::InvalidRequest, format!("the request cannot be forwarded: {e}")),
+                    Problem::new(
+                        ProblemKind::InvalidRequest,
+                        format!("the request cannot be forwarded: {e}"),
+                    ),
                     Outcome::Released,
                 );
             }
@@ -331,7 +385,11 @@ impl Proxy {
         let timeout = self.upstream.timeout();
         let exchange = async {
             let resp = self.upstream.send(req).await?;
-            if settle(UpstreamOutcome::Answered(resp.status().as_u16()), &release_on) == Settlement::Release {
+            if settle(
+                UpstreamOutcome::Answered(resp.status().as_u16()),
+                &release_on,
+            ) == Settlement::Release
+            {
                 return Ok(Exchanged::Release(resp));
             }
             read_limited(resp, max_stored).await
@@ -428,7 +486,10 @@ impl Proxy {
     async fn complete(&self, k: &Keyed<'_>, claim: Claim, stored: StoredResponse) -> Outcome {
         let retention = k.route.policy.retention;
         let t = Instant::now();
-        let result = self.store.complete(&k.tenant, &k.key, claim.owner, &stored, retention).await;
+        let result = self
+            .store
+            .complete(&k.tenant, &k.key, claim.owner, &stored, retention)
+            .await;
         self.metrics.store("complete", t.elapsed());
         match result {
             Ok(Some(_expires)) => Outcome::Claimed,
@@ -442,7 +503,14 @@ impl Proxy {
             }
             Err(e) => {
                 warn!(key = %k.key, error = %e, "could not store the response; retrying in the background");
-                spawn_completion_retry(self.store.clone(), k.tenant.clone(), k.key.clone(), claim, stored, retention);
+                spawn_completion_retry(
+                    self.store.clone(),
+                    k.tenant.clone(),
+                    k.key.clone(),
+                    claim,
+                    stored,
+                    retention,
+                );
                 Outcome::Claimed
             }
         }
@@ -478,11 +546,15 @@ impl Proxy {
                     error = %e,
                     "store unavailable: forwarding UNPROTECTED (on_store_error = pass_through); a retry may execute twice"
                 );
-                let req = match self.forward_request(&k.parts, full(k.body.clone()), k.client, None) {
+                let req = match self.forward_request(&k.parts, full(k.body.clone()), k.client, None)
+                {
                     Ok(r) => r,
                     Err(e) => {
                         return Handled::problem(
-                            Problem::new(ProblemKind::InvalidRequest, format!("the request cannot be forwarded: {e}")),
+                            Problem::new(
+                                ProblemKind::InvalidRequest,
+                                format!("the request cannot be forwarded: {e}"),
+                            ),
                             Outcome::StoreError,
                         )
                     }
@@ -500,7 +572,10 @@ impl Proxy {
         match self.forward_request(&parts, body, client, None) {
             Ok(req) => self.forward_streaming(req).await,
             Err(e) => Handled::problem(
-                Problem::new(ProblemKind::InvalidRequest, format!("the request cannot be forwarded: {e}")),
+                Problem::new(
+                    ProblemKind::InvalidRequest,
+                    format!("the request cannot be forwarded: {e}"),
+                ),
                 Outcome::Rejected,
             ),
         }
@@ -579,7 +654,11 @@ fn conflict(lease_remaining: Duration) -> Handled {
 fn replay(stored: Option<&StoredResponse>) -> Handled {
     let Some(stored) = stored else {
         return Handled::problem(
-            Problem::new(ProblemKind::StoreUnavailable, "the stored response could not be read").retry_after(1),
+            Problem::new(
+                ProblemKind::StoreUnavailable,
+                "the stored response could not be read",
+            )
+            .retry_after(1),
             Outcome::StoreError,
         );
     };
@@ -592,7 +671,8 @@ fn replay(stored: Option<&StoredResponse>) -> Handled {
             ),
         )
         .into_response();
-        resp.headers_mut().insert(REPLAYED, HeaderValue::from_static("true"));
+        resp.headers_mut()
+            .insert(REPLAYED, HeaderValue::from_static("true"));
         return Handled::new(resp, Outcome::Replayed);
     };
     let mut resp = Response::new(full(body.clone()));
@@ -605,7 +685,8 @@ fn replay(stored: Option<&StoredResponse>) -> Handled {
             resp.headers_mut().append(n, v);
         }
     }
-    resp.headers_mut().insert(REPLAYED, HeaderValue::from_static("true"));
+    resp.headers_mut()
+        .insert(REPLAYED, HeaderValue::from_static("true"));
     Handled::new(resp, Outcome::Replayed)
 }
 
@@ -652,7 +733,10 @@ fn spawn_completion_retry(
         let deadline = Instant::now() + Duration::from_secs(300);
         while Instant::now() < deadline {
             tokio::time::sleep(delay).await;
-            match store.complete(&tenant, &key, claim.owner, &stored, retention).await {
+            match store
+                .complete(&tenant, &key, claim.owner, &stored, retention)
+                .await
+            {
                 Ok(Some(_)) => {
                     info!(key = %key, "stored the response after a retry");
                     return;
@@ -695,11 +779,16 @@ impl Body for PrefixedBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if let Some(p) = self.prefix.take() {
             return Poll::Ready(Some(Ok(Frame::data(p))));
         }
-        Pin::new(&mut self.rest).poll_frame(cx).map_err(BoxError::from)
+        Pin::new(&mut self.rest)
+            .poll_frame(cx)
+            .map_err(BoxError::from)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -710,10 +799,11 @@ impl Body for PrefixedBody {
         let mut hint = self.rest.size_hint();
         if let Some(p) = &self.prefix {
             let n = p.len() as u64;
-            hint.set_lower(hint.lower() + n);
+            // Raise the upper bound first: set_lower asserts lower <= upper.
             if let Some(u) = hint.upper() {
                 hint.set_upper(u + n);
             }
+            hint.set_lower(hint.lower() + n);
         }
         hint
     }

@@ -159,7 +159,8 @@ impl Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         if let Some(secs) = self.retry_after {
-            resp.headers_mut().insert(RETRY_AFTER, HeaderValue::from(secs));
+            resp.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(secs));
         }
         resp
     }

@@ -99,7 +99,10 @@ impl Upstream {
 
     /// Sends a request and waits for the response headers, within the
     /// exchange bound.
-    pub async fn send(&self, mut req: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send(
+        &self,
+        mut req: Request<ProxyBody>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
         *req.version_mut() = Version::HTTP_11;
         match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),

@@ -52,7 +52,10 @@ pub async fn run(client: &mut Client) -> Result<Vec<i32>, StoreError> {
         .await?;
     tx.batch_execute(VERSION_TABLE).await?;
     let rows = tx
-        .query("SELECT version, checksum FROM idemproxy_schema_migrations", &[])
+        .query(
+            "SELECT version, checksum FROM idemproxy_schema_migrations",
+            &[],
+        )
         .await?;
     let applied: Vec<(i32, Vec<u8>)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     let mut done = Vec::new();
@@ -69,7 +72,11 @@ pub async fn run(client: &mut Client) -> Result<Vec<i32>, StoreError> {
             None => {}
         }
         tx.batch_execute(m.sql).await.map_err(|e| {
-            StoreError::Migration(format!("applying {}: {}", m.name, super::describe_db_error(&e)))
+            StoreError::Migration(format!(
+                "applying {}: {}",
+                m.name,
+                super::describe_db_error(&e)
+            ))
         })?;
         tx.execute(
             "INSERT INTO idemproxy_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
@@ -112,7 +119,11 @@ mod tests {
             assert!(pair[0].version < pair[1].version);
         }
         for m in MIGRATIONS {
-            assert!(m.name.starts_with(&format!("{:04}_", m.version)), "{}", m.name);
+            assert!(
+                m.name.starts_with(&format!("{:04}_", m.version)),
+                "{}",
+                m.name
+            );
         }
     }
 

@@ -23,7 +23,9 @@ use thiserror::Error;
 use tokio_postgres::{NoTls, Row};
 
 use crate::config::StoreConfig;
-use crate::idempotency::{Fingerprint, IdempotencyKey, OwnerToken, RecordState, RecordView, TenantId};
+use crate::idempotency::{
+    Fingerprint, IdempotencyKey, OwnerToken, RecordState, RecordView, TenantId,
+};
 
 /// Why a store operation failed. Messages never contain the database URL.
 #[derive(Debug, Error)]
@@ -363,7 +365,9 @@ impl Store {
                     return claim_result(row);
                 }
             }
-            Err(StoreError::Db("the claim found neither a record nor room for one".into()))
+            Err(StoreError::Db(
+                "the claim found neither a record nor room for one".into(),
+            ))
         })
         .await
     }
@@ -407,7 +411,15 @@ impl Store {
                     client
                         .query_opt(
                             &stmt,
-                            &[&tenant, &key, &fp, &owner_id, &prev, &lease_ms, &retention_ms],
+                            &[
+                                &tenant,
+                                &key,
+                                &fp,
+                                &owner_id,
+                                &prev,
+                                &lease_ms,
+                                &retention_ms,
+                            ],
                         )
                         .await?
                 }
@@ -474,7 +486,12 @@ impl Store {
             let n = client
                 .execute(
                     &stmt,
-                    &[&tenant.as_str(), &key.as_str(), &owner.as_uuid(), &millis(lease)],
+                    &[
+                        &tenant.as_str(),
+                        &key.as_str(),
+                        &owner.as_uuid(),
+                        &millis(lease),
+                    ],
                 )
                 .await?;
             Ok(n == 1)
@@ -632,7 +649,11 @@ fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {
                 }
                 // Fingerprint differs: the response is not fetched.
                 (Some(_), None, None) => None,
-                _ => return Err(StoreError::Corrupt("completed record without a response".into())),
+                _ => {
+                    return Err(StoreError::Corrupt(
+                        "completed record without a response".into(),
+                    ))
+                }
             }
         }
         RecordState::InFlight { .. } => None,

@@ -228,8 +228,12 @@ interval = "1h"
     }
 
     pub fn config(&self, upstream: &str, database: &str) -> Config {
-        config::parse(&self.toml(upstream, database), "test.toml", &Overrides::default())
-            .unwrap_or_else(|e| panic!("test configuration is invalid:\n{e}"))
+        config::parse(
+            &self.toml(upstream, database),
+            "test.toml",
+            &Overrides::default(),
+        )
+        .unwrap_or_else(|e| panic!("test configuration is invalid:\n{e}"))
     }
 }
 
@@ -342,7 +346,11 @@ pub async fn wait_ready(admin: SocketAddr) {
         if r.status == StatusCode::OK {
             return;
         }
-        assert!(Instant::now() < deadline, "proxy never became ready: {}", r.text());
+        assert!(
+            Instant::now() < deadline,
+            "proxy never became ready: {}",
+            r.text()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -416,7 +424,8 @@ impl Resp {
     }
     /// The upstream's execution number (sample upstream header).
     pub fn execution(&self) -> Option<u64> {
-        self.header("x-sample-execution").and_then(|v| v.parse().ok())
+        self.header("x-sample-execution")
+            .and_then(|v| v.parse().ok())
     }
     /// Asserts a proxy problem of the given type slug and status.
     pub fn assert_problem(&self, status: u16, slug: &str) {
@@ -428,7 +437,12 @@ impl Resp {
             self.text()
         );
         let v = self.json();
-        assert_eq!(v["type"], format!("urn:idemproxy:problem:{slug}"), "{}", self.text());
+        assert_eq!(
+            v["type"],
+            format!("urn:idemproxy:problem:{slug}"),
+            "{}",
+            self.text()
+        );
         assert_eq!(v["status"], status);
         assert!(v["title"].is_string() && v["detail"].is_string());
     }
