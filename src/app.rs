@@ -21,6 +21,7 @@ use crate::metrics::Metrics;
 use crate::proxy::upstream::Upstream;
 use crate::proxy::Proxy;
 use crate::store::Store;
+use crate::waiters::Waiters;
 use crate::{server, sweeper};
 
 /// Options of `serve` that are not configuration.
@@ -105,11 +106,21 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         ));
     }
 
+    let waiters = Arc::new(Waiters::new(config.server.max_waiters));
+    if config.routes.iter().any(|r| !r.policy.wait.is_zero()) {
+        // One listening connection per process, only where duplicates wait.
+        tokio::spawn(crate::waiters::listen(
+            store.clone(),
+            waiters.clone(),
+            admin_rx.clone(),
+        ));
+    }
     let proxy = Arc::new(Proxy::new(
         config.clone(),
         store.clone(),
         upstream,
         metrics.clone(),
+        waiters,
     ));
     let proxy_task = tokio::spawn(server::serve(
         proxy_listener,

@@ -19,7 +19,7 @@ use std::fmt;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::ops::{Range, RangeInclusive};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytesize::ByteSize;
@@ -60,6 +60,12 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// How long a client may take to send a request's headers.
     pub header_read_timeout: Duration,
+    /// TLS on the proxy listener (HTTP/1.1 and h2 by ALPN); `None`: plain
+    /// HTTP/1.1 and h2c.
+    pub tls: Option<crate::tls::TlsFiles>,
+    /// Most duplicates that may wait for their originals at once (`wait`);
+    /// past it a duplicate gets 409 at once.
+    pub max_waiters: usize,
 }
 
 /// `[upstream]`.
@@ -72,6 +78,9 @@ pub struct UpstreamConfig {
     pub connect_timeout: Duration,
     /// Bound on a whole upstream exchange (request sent to response headers).
     pub timeout: Duration,
+    /// CA certificates (PEM) trusted for an `https://` upstream, in addition
+    /// to the system store.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// What to do with a keyed request when the store cannot be reached.
@@ -94,6 +103,9 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// Behaviour when the store fails.
     pub on_store_error: OnStoreError,
+    /// CA certificates (PEM) that verify the database's certificate
+    /// (`sslmode=verify-ca`/`verify-full`, or `require` with a CA).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -103,6 +115,7 @@ impl fmt::Debug for StoreConfig {
             .field("pool_size", &self.pool_size)
             .field("timeout", &self.timeout)
             .field("on_store_error", &self.on_store_error)
+            .field("ca_file", &self.ca_file)
             .finish()
     }
 }
@@ -148,6 +161,20 @@ pub struct Policy {
     pub max_stored_response: u64,
     /// How long a duplicate waits for an in-flight original (0: answer 409).
     pub wait: Duration,
+    /// Header in which a key derived from (tenant, key) is forwarded, so an
+    /// upstream that deduplicates on its own never confuses two tenants'.
+    pub derived_key_header: Option<HeaderName>,
+    /// How the derived key is formed.
+    pub derived_key: DerivedKey,
+}
+
+/// The form of the key forwarded in `derived_key_header`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DerivedKey {
+    /// Hex SHA-256 of the tenant and the key: stable, opaque, fixed length.
+    Sha256,
+    /// `tenant:key` in clear (the stored tenant: a digest on `tenant_hash` routes).
+    TenantKey,
 }
 
 /// One `[[route]]`.
@@ -358,6 +385,7 @@ admin_listen = "127.0.0.1:9090"
 max_request_body = "1MiB"
 shutdown_grace = "30s"
 header_read_timeout = "10s"
+max_waiters = 1024
 
 [upstream]
 url = "http://127.0.0.1:3000"
@@ -385,6 +413,8 @@ fingerprint = "json"
 release_on = []
 max_stored_response = "1MiB"
 wait = "0s"
+derived_key_header = ""
+derived_key = "sha256"
 
 [[route]]
 name = "default"
@@ -445,6 +475,12 @@ struct RawServer {
     shutdown_grace: Option<Spanned<String>>,
     /// How long a client may take to send a request's headers; greater than 0.
     header_read_timeout: Option<Spanned<String>>,
+    /// PEM file with the certificate chain (leaf first) of the proxy listener; with `tls_key_file`, the listener speaks TLS only (HTTP/1.1 and h2 by ALPN) and forwards `X-Forwarded-Proto: https`. Read at start.
+    tls_cert_file: Option<Spanned<String>>,
+    /// PEM file with the private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert_file`; set both or neither.
+    tls_key_file: Option<Spanned<String>>,
+    /// Most duplicates that may wait for their in-flight originals at once (see `wait`); past it a duplicate gets 409 at once; at least 0.
+    max_waiters: Option<Spanned<i64>>,
 }
 
 /// `[upstream]`.
@@ -457,6 +493,8 @@ struct RawUpstream {
     connect_timeout: Option<Spanned<String>>,
     /// Bound on a whole upstream exchange (request sent to response headers); greater than 0.
     timeout: Option<Spanned<String>>,
+    /// PEM file of CA certificates trusted for an `https://` upstream, in addition to the system store (`/etc/ssl/certs`, `SSL_CERT_FILE`); only with an `https://` URL. Read at start.
+    ca_file: Option<Spanned<String>>,
 }
 
 /// `[store]`.
@@ -471,6 +509,8 @@ struct RawStore {
     timeout: Option<Spanned<String>>,
     /// When the store fails: `"reject"` (503 + `Retry-After`, nothing forwarded) or `"pass_through"` (forward unprotected, loudly).
     on_store_error: Option<Spanned<String>>,
+    /// PEM file of CA certificates that verify the database server's certificate under `sslmode=verify-ca`/`verify-full` (or `require`, which then verifies the chain, as libpq does); without it those modes use the system store. The URL's `sslrootcert` may name it instead. Read at start.
+    ca_file: Option<Spanned<String>>,
 }
 
 /// `[sweeper]` (an extension to DESIGN.md §3).
@@ -543,6 +583,10 @@ policy_keys! {
     max_stored_response: String,
     /// How long a duplicate waits for an in-flight original before getting 409; `"0s"`: answer 409 at once.
     wait: String,
+    /// Header in which a key derived from tenant and key is forwarded to the upstream (the client's key header is forwarded too, unchanged); `""`: none.
+    derived_key_header: String,
+    /// Form of the derived key: `"sha256"` (hex SHA-256 of tenant and key) or `"tenant_key"` (`tenant:key`, the stored tenant).
+    derived_key: String,
 }
 
 // ---------------------------------------------------------------------------
@@ -889,12 +933,24 @@ impl<'a> Checker<'a> {
             base.map(|b| b.header_read_timeout),
             Self::positive_duration,
         );
+        let max_waiters = self.get(
+            "server.max_waiters",
+            &raw.max_waiters,
+            base.map(|b| b.max_waiters),
+            |c, key, v| {
+                c.int_in(key, v, 0..=1_000_000)
+                    .and_then(|n| usize::try_from(n).ok())
+            },
+        );
+        let tls = self.listener_tls(raw, base);
         Some(ServerConfig {
             listen: listen?,
             admin_listen: admin_listen?,
             max_request_body: max_request_body?,
             shutdown_grace: shutdown_grace?,
             header_read_timeout: header_read_timeout?,
+            tls: tls?,
+            max_waiters: max_waiters?,
         })
     }
 
@@ -921,9 +977,20 @@ impl<'a> Checker<'a> {
             base.map(|b| b.timeout),
             Self::positive_duration,
         );
+        let ca_file = self.optional_path("upstream.ca_file", &raw.ca_file, base.map(|b| &b.ca_file));
+        if let (Some(url), Some(v)) = (&url, &raw.ca_file) {
+            if url.scheme() != Some(&http::uri::Scheme::HTTPS) {
+                self.report(
+                    "upstream.ca_file",
+                    Some(v.span()),
+                    "is only used with an https:// upstream.url",
+                );
+            }
+        }
         Some(UpstreamConfig {
             url: url?,
             connect_timeout: connect_timeout?,
+            ca_file: ca_file?,
             timeout: timeout?,
         })
     }
@@ -988,11 +1055,13 @@ impl<'a> Checker<'a> {
                 )
             },
         );
+        let ca_file = self.optional_path("store.ca_file", &raw.ca_file, base.map(|b| &b.ca_file));
         Some(StoreConfig {
             database_url: database_url?,
             pool_size: pool_size?,
             timeout: timeout?,
             on_store_error: on_store_error?,
+            ca_file: ca_file?,
         })
     }
 
@@ -1119,7 +1188,36 @@ impl<'a> Checker<'a> {
             base.map(|b| b.wait),
             Self::duration,
         );
+        let derived_key_header = self.get(
+            &key("derived_key_header"),
+            &raw.derived_key_header,
+            base.map(|b| b.derived_key_header.clone()),
+            |c, key, v| {
+                if v.get_ref().is_empty() {
+                    Some(None)
+                } else {
+                    c.header_name(key, v).map(Some)
+                }
+            },
+        );
+        let derived_key = self.get(
+            &key("derived_key"),
+            &raw.derived_key,
+            base.map(|b| b.derived_key),
+            |c, key, v| {
+                c.choice(
+                    key,
+                    v,
+                    &[
+                        ("sha256", DerivedKey::Sha256),
+                        ("tenant_key", DerivedKey::TenantKey),
+                    ],
+                )
+            },
+        );
         Some(Policy {
+            derived_key_header: derived_key_header?,
+            derived_key: derived_key?,
             key_header: key_header?,
             methods: methods?,
             key: requirement?,
@@ -1288,7 +1386,61 @@ impl<'a> Checker<'a> {
         )
     }
 
+    /// `server.tls_cert_file` and `server.tls_key_file`: both or neither.
+    fn listener_tls(
+        &mut self,
+        raw: &RawServer,
+        base: Option<&ServerConfig>,
+    ) -> Option<Option<crate::tls::TlsFiles>> {
+        const CERT: &str = "server.tls_cert_file";
+        const KEY: &str = "server.tls_key_file";
+        match (&raw.tls_cert_file, &raw.tls_key_file) {
+            (None, None) => Some(base.and_then(|b| b.tls.clone())),
+            (Some(cert), Some(key)) => {
+                let cert_file = self.path(CERT, cert);
+                let key_file = self.path(KEY, key);
+                Some(Some(crate::tls::TlsFiles {
+                    cert_file: cert_file?,
+                    key_file: key_file?,
+                }))
+            }
+            (Some(v), None) => self.bad(
+                CERT,
+                v,
+                "needs server.tls_key_file too: a TLS listener needs a certificate and its key",
+            ),
+            (None, Some(v)) => self.bad(
+                KEY,
+                v,
+                "needs server.tls_cert_file too: a TLS listener needs a certificate and its key",
+            ),
+        }
+    }
+
+    /// An optional file path: the file's value if set, else the inherited
+    /// one (which may be none).
+    fn optional_path(
+        &mut self,
+        key: &str,
+        raw: &Option<Spanned<String>>,
+        inherited: Option<&Option<PathBuf>>,
+    ) -> Option<Option<PathBuf>> {
+        match raw {
+            Some(v) => self.path(key, v).map(Some),
+            None => Some(inherited.cloned().flatten()),
+        }
+    }
+
     // --- value rules ---------------------------------------------------
+
+    fn path(&mut self, key: &str, v: &Spanned<String>) -> Option<PathBuf> {
+        if v.get_ref().trim().is_empty() {
+            self.bad(key, v, "must not be empty (leave the key out instead)")
+        } else {
+            Some(PathBuf::from(v.get_ref()))
+        }
+    }
+
 
     fn socket_addr(&mut self, key: &str, v: &Spanned<String>) -> Option<SocketAddr> {
         match v.get_ref().parse() {
@@ -2369,7 +2521,7 @@ retention = \"0s\"
         assert!(keys.contains(&("sweeper", "batch_size")));
         assert!(keys.contains(&("route", "name")));
         assert!(keys.contains(&("defaults", "wait")));
-        assert_eq!(keys.len(), 5 + 3 + 4 + 2 + 10 + 5);
+        assert_eq!(keys.len(), 8 + 4 + 5 + 2 + 12 + 5);
     }
 
     #[test]
@@ -2380,7 +2532,12 @@ retention = \"0s\"
                 toml::Value::Array(routes) => &routes[0],
                 table => table,
             };
-            let optional = matches!((section, key), ("route", "tenant_header"));
+            let optional = matches!(
+                (section, key),
+                ("route", "tenant_header")
+                    | ("server", "tls_cert_file" | "tls_key_file")
+                    | ("upstream" | "store", "ca_file")
+            );
             assert_eq!(table.get(key).is_some(), !optional, "{section}.{key}");
         }
     }

@@ -18,6 +18,8 @@
 //!   [`lease`] renews it; the outcome is settled by the decision module:
 //!   the response is stored (fenced by the owner token), or the claim is
 //!   released, or it is left to expire when the outcome is unknown.
+//! * A duplicate of an in-flight key on a route with `wait` sleeps in
+//!   [`waiters`] until the original completes (pushed by `NOTIFY`).
 //! * Every answer the proxy makes itself is built in [`proxy::problem`].
 //!
 //! Around the request path: [`config`] (TOML → validated `Config`),
@@ -38,3 +40,4 @@ pub mod sample_upstream;
 pub mod server;
 pub mod store;
 pub mod sweeper;
+pub mod waiters;

@@ -290,20 +290,20 @@ async fn stale_owner_completion_is_refused_by_the_fence() {
     assert_eq!(claim.attempt, 2);
     // A cannot take over again from itself, nor renew, nor release.
     assert!(!store.renew(&tenant, &key, a, lease).await.unwrap());
-    assert!(!store.release(&tenant, &key, a).await.unwrap());
+    assert!(!store.release(&tenant, &key, a, None).await.unwrap());
     let response = |body: &'static [u8]| StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), "text/plain".into())],
         body: Some(body.into()),
     };
     assert!(store
-        .complete(&tenant, &key, b, &response(b"B"), retention)
+        .complete(&tenant, &key, b, &response(b"B"), retention, None)
         .await
         .unwrap()
         .is_some());
     assert_eq!(
         store
-            .complete(&tenant, &key, a, &response(b"A"), retention)
+            .complete(&tenant, &key, a, &response(b"A"), retention, None)
             .await
             .unwrap(),
         None
@@ -456,4 +456,59 @@ async fn record_past_retention_is_treated_as_absent() {
         Some(&b"1"[..])
     );
     assert_eq!(h.record_count().await, 1);
+}
+
+// Completion fenced through the proxy: if another attempt owns the key by
+// the time the upstream answers, the response still reaches its client,
+// nothing is overwritten, and lost_lease is counted.
+#[tokio::test]
+async fn lost_lease_still_answers_the_client_and_overwrites_nothing() {
+    let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
+    let url = h.url("/v1/payments");
+    let client = h.client.clone();
+    let original = tokio::spawn(async move {
+        client
+            .send(
+                Req::post(&url)
+                    .key("k-lost")
+                    .json(PAY)
+                    .header("x-sample-delay-ms", "800"),
+            )
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Another attempt takes the key over (as a replica would after a pause).
+    let c = h.db.client().await;
+    let usurper = uuid::Uuid::new_v4();
+    let n = c
+        .execute(
+            "UPDATE idempotency_records SET owner_token = $1, attempt = 2 WHERE idempotency_key = 'k-lost'",
+            &[&usurper],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let r = original.await.unwrap();
+    assert_eq!(r.status, 201, "the client still gets the upstream's answer");
+    assert!(!r.replayed());
+    let row = c
+        .query_one(
+            "SELECT state, owner_token, response_body IS NULL FROM idempotency_records WHERE idempotency_key = 'k-lost'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "in_flight");
+    assert_eq!(
+        row.get::<_, uuid::Uuid>(1),
+        usurper,
+        "the new owner's claim is untouched"
+    );
+    assert!(row.get::<_, bool>(2));
+    assert_eq!(
+        h.running()
+            .metrics
+            .request_count("default", idemproxy::metrics::Outcome::LostLease),
+        1
+    );
 }

@@ -20,9 +20,10 @@ pub mod upstream;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::{Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, EXPECT, HOST};
@@ -32,7 +33,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use tracing::{info, warn};
 
-use crate::config::{Config, KeyRequirement, OnStoreError, Route};
+use crate::config::{Config, DerivedKey, KeyRequirement, OnStoreError, Route};
 use crate::idempotency::decision::retry_after_secs;
 use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, Settlement, TenantError,
@@ -41,7 +42,9 @@ use crate::idempotency::{
 use crate::lease::LeaseHolder;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{Claim, ClaimResult, Replace, Store, StoreError, StoredResponse};
+use crate::waiters::{WaitGuard, Waiters};
 use problem::{Problem, ProblemKind};
+use sha2::{Digest, Sha256};
 use upstream::{Upstream, UpstreamError};
 
 /// Errors carried by proxied bodies.
@@ -56,6 +59,8 @@ pub fn full(bytes: Bytes) -> ProxyBody {
 
 /// Header added to replayed responses.
 pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// Header telling the client until when its key is remembered (HTTP-date).
+pub const EXPIRES: HeaderName = HeaderName::from_static("idempotency-key-expires");
 /// Header carrying the attempt number on keyed forwards.
 pub const ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
 
@@ -97,6 +102,42 @@ struct Keyed<'a> {
     parts: request::Parts,
     body: Bytes,
     client: ClientInfo,
+    timings: Timings,
+}
+
+/// Where a keyed request spent its time, for the access log.
+#[derive(Default)]
+struct Timings {
+    store_us: AtomicU64,
+    upstream_us: AtomicU64,
+}
+
+impl Keyed<'_> {
+    /// Whether completions and releases of this key notify waiters.
+    fn notifies(&self) -> bool {
+        !self.route.policy.wait.is_zero()
+    }
+
+    /// The key's id on the notification channel.
+    fn wait_id(&self) -> String {
+        crate::waiters::key_id(&self.tenant, &self.key)
+    }
+
+    /// The key forwarded in `derived_key_header`.
+    fn derived_key(&self) -> Option<(HeaderName, HeaderValue)> {
+        let header = self.route.policy.derived_key_header.clone()?;
+        let value = match self.route.policy.derived_key {
+            DerivedKey::Sha256 => {
+                let mut h = Sha256::new();
+                h.update(self.tenant.as_str().as_bytes());
+                h.update([0]);
+                h.update(self.key.as_str().as_bytes());
+                hex::encode(h.finalize())
+            }
+            DerivedKey::TenantKey => format!("{}:{}", self.tenant.as_str(), self.key),
+        };
+        Some((header, HeaderValue::from_str(&value).ok()?))
+    }
 }
 
 /// What the upstream exchange of an owned claim produced.
@@ -115,6 +156,7 @@ pub struct Proxy {
     store: Store,
     upstream: Upstream,
     metrics: Arc<Metrics>,
+    waiters: Arc<Waiters>,
 }
 
 impl Proxy {
@@ -124,12 +166,14 @@ impl Proxy {
         store: Store,
         upstream: Upstream,
         metrics: Arc<Metrics>,
+        waiters: Arc<Waiters>,
     ) -> Self {
         Proxy {
             config,
             store,
             upstream,
             metrics,
+            waiters,
         }
     }
 
@@ -144,6 +188,7 @@ impl Proxy {
             .filter(|r| r.policy.methods.contains(req.method()));
         let route_label = route.map_or("unrouted", |r| r.name.as_str());
         let mut key_for_log = None;
+        let mut timings = (None, None);
         let handled = match route {
             None => self.pass_through(req, client).await,
             Some(route) => match self.admit(route, req, client).await {
@@ -151,7 +196,13 @@ impl Proxy {
                 Admission::Refused(h) => h,
                 Admission::Keyed(k) => {
                     key_for_log = Some(k.key.clone());
-                    self.keyed(k).await
+                    let h = self.keyed(&k).await;
+                    let us = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1000.0;
+                    timings = (
+                        Some(us(&k.timings.store_us)),
+                        Some(us(&k.timings.upstream_us)),
+                    );
+                    h
                 }
             },
         };
@@ -167,6 +218,8 @@ impl Proxy {
             outcome = handled.outcome.as_str(),
             status,
             duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+            store_ms = timings.0,
+            upstream_ms = timings.1,
             "request"
         );
         handled.response
@@ -274,38 +327,72 @@ impl Proxy {
             parts,
             body,
             client,
+            timings: Timings::default(),
         })
     }
 
     /// The state machine's I/O: claim, decide, and execute or answer.
-    async fn keyed(&self, k: Keyed<'_>) -> Handled {
+    async fn keyed(&self, k: &Keyed<'_>) -> Handled {
         let policy = &k.route.policy;
-        // A claim races other replicas only when a record changes between
-        // our read and our fenced write; each turn re-reads. Bounded so a
-        // pathological flapping key cannot spin.
-        for _ in 0..4 {
+        let deadline = Instant::now() + policy.wait;
+        let mut waiter = None;
+        // A fenced write loses only when the record changed between our read
+        // and our write; each turn re-reads. Bounded so that a pathological
+        // flapping key cannot spin; waiting turns are bounded by `wait`.
+        let mut races = 0;
+        while races < 4 {
+            // Armed before the read, so no wake-up falls in between.
+            let notify = waiter.as_ref().map(WaitGuard::notify);
+            let notified = notify.as_ref().map(|n| n.notified());
             let owner = crate::idempotency::OwnerToken::mint();
-            let t = Instant::now();
             let result = self
-                .store
-                .claim(
-                    &k.tenant,
-                    &k.key,
-                    &k.fingerprint,
-                    owner,
-                    policy.lease,
-                    policy.retention,
+                .timed(
+                    k,
+                    "claim",
+                    self.store.claim(
+                        &k.tenant,
+                        &k.key,
+                        &k.fingerprint,
+                        owner,
+                        policy.lease,
+                        policy.retention,
+                    ),
                 )
                 .await;
-            self.metrics.store("claim", t.elapsed());
             let existing = match result {
                 Err(e) => return self.store_failed(k, e).await,
-                Ok(ClaimResult::Claimed(claim)) => return self.execute(&k, claim).await,
+                Ok(ClaimResult::Claimed(claim)) => return self.execute(k, claim).await,
                 Ok(ClaimResult::Existing(x)) => x,
             };
             let replace = match decide(&existing.view, &k.fingerprint, existing.now) {
-                Decision::Replay => return replay(existing.response.as_ref()),
-                Decision::Conflict { lease_remaining } => return conflict(lease_remaining),
+                Decision::Replay => {
+                    let mut h = replay(existing.response.as_ref());
+                    set_expires(&mut h.response, existing.view.expires_at);
+                    return h;
+                }
+                Decision::Conflict { lease_remaining } => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return conflict(lease_remaining);
+                    }
+                    let Some(notified) = notified else {
+                        // First conflict: register, then read again with the
+                        // wake-up armed.
+                        match self.waiters.register(k.wait_id()) {
+                            Some(g) => waiter = Some(g),
+                            None => return conflict(lease_remaining),
+                        }
+                        continue;
+                    };
+                    // Sleep until the key changes, the lease runs out (then
+                    // take over as any request would) or the wait ends.
+                    let until = deadline.min(now + lease_remaining + Duration::from_millis(5));
+                    tokio::select! {
+                        () = notified => {}
+                        () = tokio::time::sleep_until(until.into()) => {}
+                    }
+                    continue;
+                }
                 Decision::Mismatch => {
                     return Handled::problem(
                         Problem::new(
@@ -318,23 +405,24 @@ impl Proxy {
                 Decision::TakeOver { previous, .. } => Replace::TakeOver(previous),
                 Decision::Reclaim { previous } => Replace::Reclaim(previous),
             };
-            let t = Instant::now();
             let result = self
-                .store
-                .replace(
-                    &k.tenant,
-                    &k.key,
-                    &k.fingerprint,
-                    owner,
-                    replace,
-                    policy.lease,
-                    policy.retention,
+                .timed(
+                    k,
+                    "replace",
+                    self.store.replace(
+                        &k.tenant,
+                        &k.key,
+                        &k.fingerprint,
+                        owner,
+                        replace,
+                        policy.lease,
+                        policy.retention,
+                    ),
                 )
                 .await;
-            self.metrics.store("replace", t.elapsed());
             match result {
                 Err(e) => return self.store_failed(k, e).await,
-                Ok(None) => continue,
+                Ok(None) => races += 1,
                 Ok(Some(claim)) => {
                     if let Replace::TakeOver(previous) = replace {
                         self.metrics.takeover();
@@ -345,11 +433,29 @@ impl Proxy {
                             "took over a claim whose lease expired; forwarding again"
                         );
                     }
-                    return self.execute(&k, claim).await;
+                    return self.execute(k, claim).await;
                 }
             }
         }
         conflict(Duration::from_secs(1))
+    }
+
+    /// Runs a store operation, recording its duration in the metrics and
+    /// in the request's access-log timings.
+    async fn timed<T>(
+        &self,
+        k: &Keyed<'_>,
+        op: &'static str,
+        fut: impl std::future::Future<Output = T>,
+    ) -> T {
+        let t = Instant::now();
+        let out = fut.await;
+        let elapsed = t.elapsed();
+        self.metrics.store(op, elapsed);
+        k.timings
+            .store_us
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+        out
     }
 
     /// Forwards an owned claim once and settles it.
@@ -380,6 +486,9 @@ impl Proxy {
         };
         // The body is already buffered: no 100-continue dance upstream.
         req.headers_mut().remove(EXPECT);
+        if let Some((name, value)) = k.derived_key() {
+            req.headers_mut().insert(name, value);
+        }
         let release_on: Vec<u16> = policy.release_on.iter().map(|s| s.as_u16()).collect();
         let max_stored = policy.max_stored_response;
         let timeout = self.upstream.timeout();
@@ -410,7 +519,11 @@ impl Proxy {
         };
         let started = Instant::now();
         let (result, _lost) = holder.renew_while(bounded).await;
-        self.metrics.upstream(started.elapsed());
+        let elapsed = started.elapsed();
+        self.metrics.upstream(elapsed);
+        k.timings
+            .upstream_us
+            .store(elapsed.as_micros() as u64, Ordering::Relaxed);
         let mut handled = match result {
             Err(UpstreamError::Connect(e)) => {
                 // settle(NotSent) == Release: the request never left.
@@ -455,8 +568,12 @@ impl Proxy {
                     headers: headers::capture(&parts.headers),
                     body: Some(body.clone()),
                 };
-                let outcome = self.complete(k, claim, stored).await;
-                Handled::new(response_from(parts, full(body)), outcome)
+                let (outcome, expires) = self.complete(k, claim, stored).await;
+                let mut resp = response_from(parts, full(body));
+                if let Some(at) = expires {
+                    set_expires(&mut resp, at);
+                }
+                Handled::new(resp, outcome)
             }
             Ok(Exchanged::TooLarge(parts, prefix, rest)) => {
                 warn!(
@@ -470,7 +587,7 @@ impl Proxy {
                     headers: headers::capture(&parts.headers),
                     body: None,
                 };
-                let outcome = self.complete(k, claim, stored).await;
+                let (outcome, _) = self.complete(k, claim, stored).await;
                 let body = PrefixedBody {
                     prefix: Some(prefix),
                     rest,
@@ -483,23 +600,40 @@ impl Proxy {
     }
 
     /// Stores the response, fenced by our owner token.
-    async fn complete(&self, k: &Keyed<'_>, claim: Claim, stored: StoredResponse) -> Outcome {
+    async fn complete(
+        &self,
+        k: &Keyed<'_>,
+        claim: Claim,
+        stored: StoredResponse,
+    ) -> (Outcome, Option<SystemTime>) {
         let retention = k.route.policy.retention;
-        let t = Instant::now();
+        let wait_id = k.notifies().then(|| k.wait_id());
         let result = self
-            .store
-            .complete(&k.tenant, &k.key, claim.owner, &stored, retention)
+            .timed(
+                k,
+                "complete",
+                self.store.complete(
+                    &k.tenant,
+                    &k.key,
+                    claim.owner,
+                    &stored,
+                    retention,
+                    wait_id.as_deref(),
+                ),
+            )
             .await;
-        self.metrics.store("complete", t.elapsed());
+        if let Some(id) = &wait_id {
+            self.waiters.wake(id);
+        }
         match result {
-            Ok(Some(_expires)) => Outcome::Claimed,
+            Ok(Some(expires)) => (Outcome::Claimed, Some(expires)),
             Ok(None) => {
                 warn!(
                     key = %k.key,
                     attempt = claim.attempt,
                     "lease lost: another attempt owns this key now; this response goes to its client but is not stored"
                 );
-                Outcome::LostLease
+                (Outcome::LostLease, None)
             }
             Err(e) => {
                 warn!(key = %k.key, error = %e, "could not store the response; retrying in the background");
@@ -510,24 +644,34 @@ impl Proxy {
                     claim,
                     stored,
                     retention,
+                    wait_id,
                 );
-                Outcome::Claimed
+                (Outcome::Claimed, None)
             }
         }
     }
 
     /// Deletes our claim so a retry may run; a failure leaves it to expire.
     async fn release(&self, k: &Keyed<'_>, claim: Claim) {
-        let t = Instant::now();
-        let result = self.store.release(&k.tenant, &k.key, claim.owner).await;
-        self.metrics.store("release", t.elapsed());
+        let wait_id = k.notifies().then(|| k.wait_id());
+        let result = self
+            .timed(
+                k,
+                "release",
+                self.store
+                    .release(&k.tenant, &k.key, claim.owner, wait_id.as_deref()),
+            )
+            .await;
+        if let Some(id) = &wait_id {
+            self.waiters.wake(id);
+        }
         if let Err(e) = result {
             warn!(key = %k.key, error = %e, "could not release the claim; it will expire with its lease");
         }
     }
 
     /// The store failed before anything was forwarded.
-    async fn store_failed(&self, k: Keyed<'_>, e: StoreError) -> Handled {
+    async fn store_failed(&self, k: &Keyed<'_>, e: StoreError) -> Handled {
         match self.config.store.on_store_error {
             OnStoreError::Reject => {
                 warn!(key = %k.key, error = %e, "store unavailable: refusing the keyed request (fail closed)");
@@ -638,6 +782,13 @@ enum Admission<'a> {
     Keyed(Keyed<'a>),
 }
 
+/// Advertises until when the key is remembered.
+fn set_expires(resp: &mut Response<ProxyBody>, at: SystemTime) {
+    if let Ok(v) = HeaderValue::from_str(&httpdate::fmt_http_date(at)) {
+        resp.headers_mut().insert(EXPIRES, v);
+    }
+}
+
 fn conflict(lease_remaining: Duration) -> Handled {
     let secs = retry_after_secs(lease_remaining);
     Handled::problem(
@@ -727,6 +878,7 @@ fn spawn_completion_retry(
     claim: Claim,
     stored: StoredResponse,
     retention: Duration,
+    wait_id: Option<String>,
 ) {
     tokio::spawn(async move {
         let mut delay = Duration::from_millis(100);
@@ -734,7 +886,14 @@ fn spawn_completion_retry(
         while Instant::now() < deadline {
             tokio::time::sleep(delay).await;
             match store
-                .complete(&tenant, &key, claim.owner, &stored, retention)
+                .complete(
+                    &tenant,
+                    &key,
+                    claim.owner,
+                    &stored,
+                    retention,
+                    wait_id.as_deref(),
+                )
                 .await
             {
                 Ok(Some(_)) => {

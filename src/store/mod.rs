@@ -232,6 +232,22 @@ UPDATE idempotency_records
    AND state = 'in_flight'
 RETURNING expires_at";
 
+/// `COMPLETE_SQL` that also notifies waiters (`$10`: the key's channel id),
+/// on routes where duplicates wait. NOTIFY serialises committing
+/// transactions on a global lock, so routes without waiters skip it.
+const COMPLETE_NOTIFY_SQL: &str = "
+WITH done AS (
+UPDATE idempotency_records
+   SET state = 'completed', lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + $4::bigint * interval '1 millisecond',
+       response_status = $5, response_header_names = $6,
+       response_header_values = $7, response_body = $8,
+       response_body_omitted = $9
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
+   AND state = 'in_flight'
+RETURNING expires_at)
+SELECT expires_at, pg_notify('idemproxy_keys', $10) FROM done";
+
 const RENEW_SQL: &str = "
 UPDATE idempotency_records
    SET lease_expires_at = now() + $4::bigint * interval '1 millisecond'
@@ -242,6 +258,14 @@ const RELEASE_SQL: &str = "
 DELETE FROM idempotency_records
  WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
    AND state = 'in_flight'";
+
+const RELEASE_NOTIFY_SQL: &str = "
+WITH gone AS (
+DELETE FROM idempotency_records
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
+   AND state = 'in_flight'
+RETURNING 1)
+SELECT pg_notify('idemproxy_keys', $4) FROM gone";
 
 const SWEEP_SQL: &str = "
 DELETE FROM idempotency_records r
@@ -266,6 +290,7 @@ SELECT tenant_id, idempotency_key, state, attempt, owner_token, fingerprint,
 #[derive(Clone)]
 pub struct Store {
     pool: Pool,
+    pg: tokio_postgres::Config,
     timeout: Duration,
 }
 
@@ -285,7 +310,7 @@ impl Store {
         }
         pg.connect_timeout(config.timeout);
         let manager = Manager::from_config(
-            pg,
+            pg.clone(),
             NoTls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
@@ -301,8 +326,25 @@ impl Store {
             .map_err(|e| StoreError::Pool(e.to_string()))?;
         Ok(Store {
             pool,
+            pg,
             timeout: config.timeout,
         })
+    }
+
+    /// A connection of its own, outside the pool (the LISTEN connection of
+    /// [`crate::waiters`]), made with the pool's settings and TLS. The
+    /// caller drives the returned connection.
+    pub async fn connect_dedicated(
+        &self,
+    ) -> Result<
+        (
+            tokio_postgres::Client,
+            tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+        ),
+        StoreError,
+    > {
+        self.bounded(async { Ok(self.pg.connect(NoTls).await?) })
+            .await
     }
 
     /// Pool occupancy: (size, available, waiting).
@@ -442,31 +484,32 @@ impl Store {
         owner: OwnerToken,
         response: &StoredResponse,
         retention: Duration,
+        notify: Option<&str>,
     ) -> Result<Option<SystemTime>, StoreError> {
         self.bounded(async {
             let client = self.client().await?;
-            let stmt = client.prepare_cached(COMPLETE_SQL).await?;
+            let sql = if notify.is_some() {
+                COMPLETE_NOTIFY_SQL
+            } else {
+                COMPLETE_SQL
+            };
+            let stmt = client.prepare_cached(sql).await?;
             let names: Vec<&str> = response.headers.iter().map(|(n, _)| n.as_str()).collect();
             let values: Vec<&[u8]> = response.headers.iter().map(|(_, v)| &v[..]).collect();
             let status = i16::try_from(response.status)
                 .map_err(|_| StoreError::Corrupt(format!("status {}", response.status)))?;
             let body: Option<&[u8]> = response.body.as_deref();
-            let row = client
-                .query_opt(
-                    &stmt,
-                    &[
-                        &tenant.as_str(),
-                        &key.as_str(),
-                        &owner.as_uuid(),
-                        &millis(retention),
-                        &status,
-                        &names,
-                        &values,
-                        &body,
-                        &response.body.is_none(),
-                    ],
-                )
-                .await?;
+            let retention = millis(retention);
+            let omitted = response.body.is_none();
+            let (tenant, key, owner) = (tenant.as_str(), key.as_str(), owner.as_uuid());
+            let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
+                &tenant, &key, &owner, &retention, &status, &names, &values, &body, &omitted,
+            ];
+            let channel_id = notify.unwrap_or_default();
+            if notify.is_some() {
+                params.push(&channel_id);
+            }
+            let row = client.query_opt(&stmt, &params).await?;
             Ok(row.map(|r| r.get(0)))
         })
         .await
@@ -505,13 +548,24 @@ impl Store {
         tenant: &TenantId,
         key: &IdempotencyKey,
         owner: OwnerToken,
+        notify: Option<&str>,
     ) -> Result<bool, StoreError> {
         self.bounded(async {
             let client = self.client().await?;
-            let stmt = client.prepare_cached(RELEASE_SQL).await?;
-            let n = client
-                .execute(&stmt, &[&tenant.as_str(), &key.as_str(), &owner.as_uuid()])
-                .await?;
+            let (tenant, key, owner) = (tenant.as_str(), key.as_str(), owner.as_uuid());
+            let n = match notify {
+                None => {
+                    let stmt = client.prepare_cached(RELEASE_SQL).await?;
+                    client.execute(&stmt, &[&tenant, &key, &owner]).await?
+                }
+                Some(id) => {
+                    let stmt = client.prepare_cached(RELEASE_NOTIFY_SQL).await?;
+                    client
+                        .query(&stmt, &[&tenant, &key, &owner, &id])
+                        .await?
+                        .len() as u64
+                }
+            };
             Ok(n == 1)
         })
         .await
