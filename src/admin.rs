@@ -79,6 +79,9 @@ impl Handler for Admin {
             "/metrics" => {
                 let (size, available, waiting) = self.store.pool_status();
                 self.metrics.pool(size, available, waiting);
+                for (op, batches, items, largest) in self.store.batch_stats() {
+                    self.metrics.batching(op, batches, items, largest);
+                }
                 text(
                     StatusCode::OK,
                     self.metrics.render(),

@@ -89,11 +89,46 @@ pub enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    /// Probe a health URL: exit 0 if it answers 2xx within the timeout, 1 otherwise.
+    ///
+    /// For container healthchecks in images without a shell or curl. Without
+    /// --url, probes /readyz on the configured admin listener (an unspecified
+    /// address such as 0.0.0.0 is reached through the loopback).
+    Health {
+        #[command(flatten)]
+        common: Common,
+        /// URL to probe (http:// only), e.g. http://127.0.0.1:9090/readyz.
+        #[arg(long, value_name = "URL")]
+        url: Option<http::Uri>,
+        /// Bound on the whole probe: connect, send, response headers.
+        #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+    },
 }
 
 /// `idemproxy keys …`.
 #[derive(Debug, Subcommand)]
 pub enum KeysCommand {
+    /// List records, oldest first: e.g. stuck claims with `--state in_flight --older-than 5m`.
+    List {
+        #[command(flatten)]
+        common: Common,
+        /// Only records in this state.
+        #[arg(long, value_enum)]
+        state: Option<StateFilter>,
+        /// Only records created at least this long ago (e.g. "5m", "1h").
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+        older_than: std::time::Duration,
+        /// Only this tenant (as stored: with --hash-tenant, hashed first).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The tenant is a `tenant_hash` route's header value: hash it first.
+        #[arg(long, requires = "tenant")]
+        hash_tenant: bool,
+        /// At most this many records.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
     /// Print a key's record: state, attempt, owner, lease, times, stored status and body size.
     Show {
         #[command(flatten)]
@@ -117,6 +152,15 @@ pub enum KeysCommand {
         #[arg(long)]
         force: bool,
     },
+}
+
+/// `keys list --state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StateFilter {
+    /// Claimed, upstream call in flight (or its owner died).
+    InFlight,
+    /// Response stored.
+    Completed,
 }
 
 /// Which record.
@@ -219,6 +263,82 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Keys { command } => keys(command).await,
+        Command::Health {
+            common,
+            url,
+            timeout,
+        } => {
+            let url = match url {
+                Some(url) => url,
+                None => {
+                    let admin = load_config(&common, Overrides::default())?
+                        .server
+                        .admin_listen;
+                    readyz_url(admin)?
+                }
+            };
+            Ok(health(&url, timeout).await)
+        }
+    }
+}
+
+/// `/readyz` on an admin listener, reached through the loopback when the
+/// listener binds every address.
+fn readyz_url(mut admin: SocketAddr) -> anyhow::Result<http::Uri> {
+    if admin.ip().is_unspecified() {
+        admin.set_ip(match admin {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    Ok(format!("http://{admin}/readyz").parse()?)
+}
+
+/// One GET of `url`: success when a 2xx status arrives within `timeout`.
+/// Prints the outcome (stdout on success, stderr on failure), which is what
+/// `docker inspect` shows of a healthcheck.
+async fn health(url: &http::Uri, timeout: std::time::Duration) -> ExitCode {
+    use http_body_util::Empty;
+    use hyper_util::client::legacy::{connect::HttpConnector, Client};
+    use hyper_util::rt::TokioExecutor;
+
+    if url.scheme() != Some(&http::uri::Scheme::HTTP) || url.authority().is_none() {
+        eprintln!("unhealthy: {url}: only absolute http:// URLs can be probed");
+        return ExitCode::FAILURE;
+    }
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let request = match http::Request::get(url.clone()).body(Empty::<bytes::Bytes>::new()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("unhealthy: {url}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match tokio::time::timeout(timeout, client.request(request)).await {
+        Ok(Ok(resp)) if resp.status().is_success() => {
+            println!("healthy: {url} answered {}", resp.status());
+            ExitCode::SUCCESS
+        }
+        Ok(Ok(resp)) => {
+            eprintln!("unhealthy: {url} answered {}", resp.status());
+            ExitCode::FAILURE
+        }
+        Ok(Err(e)) => {
+            // The client's own message is terse ("client error (Connect)"):
+            // the cause chain says what went wrong.
+            let mut message = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                message = format!("{message}: {cause}");
+                source = cause.source();
+            }
+            eprintln!("unhealthy: {url}: {message}");
+            ExitCode::FAILURE
+        }
+        Err(_) => {
+            eprintln!("unhealthy: {url} did not answer within {timeout:?}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -228,6 +348,53 @@ fn fmt_time(t: Option<SystemTime>) -> String {
 
 async fn keys(command: KeysCommand) -> anyhow::Result<ExitCode> {
     match command {
+        KeysCommand::List {
+            common,
+            state,
+            older_than,
+            tenant,
+            hash_tenant,
+            limit,
+        } => {
+            let config = load_config(&common, Overrides::default())?;
+            let store = Store::new(&config.store)?;
+            let state = state.map(|s| match s {
+                StateFilter::InFlight => "in_flight",
+                StateFilter::Completed => "completed",
+            });
+            let tenant = tenant.map(|t| {
+                if hash_tenant {
+                    hex::encode(Sha256::digest(t.as_bytes()))
+                } else {
+                    t
+                }
+            });
+            let rows = store
+                .list(state, older_than, tenant.as_deref(), i64::from(limit))
+                .await?;
+            println!(
+                "{:<29}  {:<10}  {:>7}  {:<24}  {:<20}  KEY",
+                "CREATED", "STATE", "ATTEMPT", "LEASE / STATUS", "TENANT"
+            );
+            for r in &rows {
+                let detail = match (r.state.as_str(), r.lease_valid) {
+                    ("completed", _) => format!("status {}", r.response_status.unwrap_or(0)),
+                    (_, true) => "lease valid".to_string(),
+                    (_, false) => "lease EXPIRED".to_string(),
+                };
+                println!(
+                    "{:<29}  {:<10}  {:>7}  {:<24}  {:<20}  {}",
+                    fmt_time(Some(r.created_at)),
+                    r.state,
+                    r.attempt,
+                    detail,
+                    format!("{:?}", r.tenant),
+                    r.key
+                );
+            }
+            println!("{} record(s)", rows.len());
+            Ok(ExitCode::SUCCESS)
+        }
         KeysCommand::Show {
             common,
             target,

@@ -86,6 +86,9 @@ pub struct Metrics {
     pool_size: Gauge,
     pool_available: Gauge,
     pool_waiting: Gauge,
+    batches: Family<OpLabels, Gauge>,
+    batched_items: Family<OpLabels, Gauge>,
+    largest_batch: Family<OpLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -160,7 +163,28 @@ impl Metrics {
             "Tasks waiting for a database connection",
             pool_waiting.clone(),
         );
+        let batches = Family::<OpLabels, Gauge>::default();
+        registry.register(
+            "store_batches",
+            "Group-commit statements sent since start, by operation",
+            batches.clone(),
+        );
+        let batched_items = Family::<OpLabels, Gauge>::default();
+        registry.register(
+            "store_batched_items",
+            "Items carried by group-commit statements since start, by operation (÷ batches: mean batch size)",
+            batched_items.clone(),
+        );
+        let largest_batch = Family::<OpLabels, Gauge>::default();
+        registry.register(
+            "store_largest_batch",
+            "Largest group-commit batch since start, by operation",
+            largest_batch.clone(),
+        );
         Metrics {
+            batches,
+            batched_items,
+            largest_batch,
             registry,
             requests,
             upstream_duration,
@@ -232,6 +256,19 @@ impl Metrics {
         self.pool_size.set(size as i64);
         self.pool_available.set(available as i64);
         self.pool_waiting.set(waiting as i64);
+    }
+
+    /// Updates the group-commit gauges from the store's counters.
+    pub fn batching(&self, op: &'static str, batches: u64, items: u64, largest: u64) {
+        let labels = OpLabels { op };
+        let as_gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.batches.get_or_create(&labels).set(as_gauge(batches));
+        self.batched_items
+            .get_or_create(&labels)
+            .set(as_gauge(items));
+        self.largest_batch
+            .get_or_create(&labels)
+            .set(as_gauge(largest));
     }
 
     /// The Prometheus text exposition.

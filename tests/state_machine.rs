@@ -512,3 +512,71 @@ async fn lost_lease_still_answers_the_client_and_overwrites_nothing() {
         1
     );
 }
+
+// Group commit: many new keys at once are claimed and completed in shared
+// statements, and each is still executed exactly once and stored.
+#[tokio::test]
+async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_once() {
+    let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
+    let url = h.url("/v1/payments");
+    let mut tasks = Vec::new();
+    for i in 0..120 {
+        let client = common::HttpClient::new();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            // Two requests per key: a duplicate may land in the same batch.
+            let key = format!("k-batch-{}", i / 2);
+            client.send(Req::post(&url).key(&key).json(PAY)).await
+        }));
+    }
+    let mut fresh = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert!(
+            matches!(r.status.as_u16(), 201 | 409),
+            "{} {}",
+            r.status,
+            r.text()
+        );
+        fresh += usize::from(r.status == 201 && !r.replayed());
+    }
+    assert_eq!(fresh, 60, "one execution per key");
+    for i in 0..60 {
+        assert_eq!(h.upstream.executions(&format!("k-batch-{i}")), 1);
+    }
+    let c = h.db.client().await;
+    let completed: i64 = c
+        .query_one(
+            "SELECT count(*) FROM idempotency_records WHERE state = 'completed'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(completed, 60);
+    let metrics = common::HttpClient::new()
+        .send(Req::get(&h.admin_url("/metrics")))
+        .await
+        .text();
+    let gauge = |name: &str, op: &str| -> u64 {
+        let prefix = format!("idemproxy_{name}{{op=\"{op}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("{prefix} missing:\n{metrics}"))
+            .parse()
+            .unwrap()
+    };
+    let (batches, items) = (
+        gauge("store_batches", "claim"),
+        gauge("store_batched_items", "claim"),
+    );
+    assert!(
+        items >= 120,
+        "every claim went through the batcher: {items}"
+    );
+    assert!(
+        batches < items,
+        "some claims shared a statement: {batches} statements for {items} claims"
+    );
+}

@@ -182,11 +182,10 @@ impl Proxy {
         let started = Instant::now();
         let method = req.method().clone();
         let path = req.uri().path().to_owned();
-        let route = self
-            .config
-            .route_for(&path)
-            .filter(|r| r.policy.methods.contains(req.method()));
-        let route_label = route.map_or("unrouted", |r| r.name.as_str());
+        let matched = self.config.route_for(&path);
+        // Labelled by the route that covers the path, keyed method or not.
+        let route_label = matched.map_or("unrouted", |r| r.name.as_str());
+        let route = matched.filter(|r| r.policy.methods.contains(req.method()));
         let mut key_for_log = None;
         let mut timings = (None, None);
         let handled = match route {

@@ -12,23 +12,26 @@
 //! * Every time comparison uses the database's clock, so replicas with
 //!   skewed clocks agree on who owns a lease.
 
+pub mod batch;
 pub mod migrate;
+pub mod tls;
 
-use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use thiserror::Error;
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::Row;
 
 use crate::config::StoreConfig;
 use crate::idempotency::{
     Fingerprint, IdempotencyKey, OwnerToken, RecordState, RecordView, TenantId,
 };
+use batch::Batcher;
 
 /// Why a store operation failed. Messages never contain the database URL.
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 pub enum StoreError {
     /// The operation did not finish within `store.timeout`.
     #[error("store operation timed out after {0:?}")]
@@ -170,6 +173,27 @@ pub struct RecordDetails {
     pub now: SystemTime,
 }
 
+/// One line of `idemproxy keys list`.
+#[derive(Debug, Clone)]
+pub struct RecordSummary {
+    /// The tenant as stored.
+    pub tenant: String,
+    /// The key.
+    pub key: String,
+    /// `in_flight` or `completed`.
+    pub state: String,
+    /// Attempt number.
+    pub attempt: i32,
+    /// First claim.
+    pub created_at: SystemTime,
+    /// Lease deadline (in flight).
+    pub lease_expires_at: Option<SystemTime>,
+    /// Whether that lease is still valid.
+    pub lease_valid: bool,
+    /// Stored status (completed).
+    pub response_status: Option<i16>,
+}
+
 const CLAIM_SQL: &str = "
 WITH ins AS (
     INSERT INTO idempotency_records AS r
@@ -197,6 +221,47 @@ SELECT false, owner_token, attempt, fingerprint, state, lease_expires_at, expire
   FROM idempotency_records
  WHERE tenant_id = $1 AND idempotency_key = $2
    AND NOT EXISTS (SELECT 1 FROM ins)";
+
+/// `CLAIM_SQL` for a batch of keys: one statement, one commit. Rows are
+/// inserted in `(tenant, key)` order so concurrent batches never wait on
+/// each other in opposite orders. A key claimed twice in one batch is
+/// inserted once; the other item finds no row (the record is invisible to
+/// the statement's snapshot) and is retried, as a racing claim would be.
+const CLAIM_BATCH_SQL: &str = "
+WITH req AS (
+    SELECT *
+      FROM unnest($1::text[], $2::text[], $3::bytea[], $4::uuid[], $5::bigint[], $6::bigint[])
+           WITH ORDINALITY AS r(tenant_id, idempotency_key, fingerprint, owner_token,
+                                lease_ms, retention_ms, i)
+), ins AS (
+    INSERT INTO idempotency_records AS t
+        (tenant_id, idempotency_key, fingerprint, owner_token, attempt, state,
+         lease_expires_at, created_at, expires_at)
+    SELECT tenant_id, idempotency_key, fingerprint, owner_token, 1, 'in_flight',
+           now() + lease_ms * interval '1 millisecond', now(),
+           now() + retention_ms * interval '1 millisecond'
+      FROM req
+     ORDER BY tenant_id, idempotency_key
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING owner_token, attempt, lease_expires_at
+)
+SELECT req.i, true AS claimed, ins.owner_token, ins.attempt, NULL::bytea AS fingerprint,
+       NULL::text AS state, ins.lease_expires_at, NULL::timestamptz AS expires_at,
+       NULL::smallint AS response_status, NULL::text[] AS header_names,
+       NULL::bytea[] AS header_values, NULL::bytea AS body,
+       false AS body_omitted, now() AS now
+  FROM req JOIN ins ON ins.owner_token = req.owner_token
+UNION ALL
+SELECT req.i, false, r.owner_token, r.attempt, r.fingerprint, r.state,
+       r.lease_expires_at, r.expires_at, r.response_status,
+       CASE WHEN r.fingerprint = req.fingerprint THEN r.response_header_names END,
+       CASE WHEN r.fingerprint = req.fingerprint THEN r.response_header_values END,
+       CASE WHEN r.fingerprint = req.fingerprint THEN r.response_body END,
+       r.response_body_omitted, now()
+  FROM req
+  JOIN idempotency_records r
+    ON r.tenant_id = req.tenant_id AND r.idempotency_key = req.idempotency_key
+ WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.owner_token = req.owner_token)";
 
 const TAKE_OVER_SQL: &str = "
 UPDATE idempotency_records
@@ -290,7 +355,9 @@ SELECT tenant_id, idempotency_key, state, attempt, owner_token, fingerprint,
 #[derive(Clone)]
 pub struct Store {
     pool: Pool,
+    batch: Option<Arc<Batchers>>,
     pg: tokio_postgres::Config,
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
     timeout: Duration,
 }
 
@@ -302,8 +369,11 @@ impl Store {
     /// Builds the pool. Connects lazily: a database that is down does not
     /// stop the process from starting.
     pub fn new(config: &StoreConfig) -> Result<Self, StoreError> {
-        let pg = tokio_postgres::Config::from_str(config.database_url.expose())
-            .map_err(|e| StoreError::Url(redacted_parse_error(&e)))?;
+        // sslmode (libpq's, verify-ca/verify-full included) picks the
+        // connector; see `tls`.
+        let tls::Connection {
+            config: pg, tls, ..
+        } = tls::connection(config.database_url.expose(), config.ca_file.as_deref())?;
         let mut pg = pg;
         if pg.get_application_name().is_none() {
             pg.application_name("idemproxy");
@@ -311,7 +381,7 @@ impl Store {
         pg.connect_timeout(config.timeout);
         let manager = Manager::from_config(
             pg.clone(),
-            NoTls,
+            tls.clone(),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -324,9 +394,12 @@ impl Store {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(|e| StoreError::Pool(e.to_string()))?;
+        let batch = Batchers::start(&pool, config.pool_size);
         Ok(Store {
             pool,
+            batch,
             pg,
+            tls,
             timeout: config.timeout,
         })
     }
@@ -339,12 +412,35 @@ impl Store {
     ) -> Result<
         (
             tokio_postgres::Client,
-            tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+            tokio_postgres::Connection<tokio_postgres::Socket, tls::TlsStream>,
         ),
         StoreError,
     > {
-        self.bounded(async { Ok(self.pg.connect(NoTls).await?) })
+        self.bounded(async { Ok(self.pg.connect(self.tls.clone()).await?) })
             .await
+    }
+
+    /// Group-commit counters by operation: (op, statements sent, items
+    /// carried, largest batch), since the process started.
+    pub fn batch_stats(&self) -> Vec<(&'static str, u64, u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(b) = &self.batch else {
+            return Vec::new();
+        };
+        [
+            ("claim", b.claims.stats()),
+            ("complete", b.completions.stats()),
+        ]
+        .into_iter()
+        .map(|(op, s)| {
+            (
+                op,
+                s.batches.load(Relaxed),
+                s.items.load(Relaxed),
+                s.largest.load(Relaxed),
+            )
+        })
+        .collect()
     }
 
     /// Pool occupancy: (size, available, waiting).
@@ -383,28 +479,28 @@ impl Store {
         retention: Duration,
     ) -> Result<ClaimResult, StoreError> {
         self.bounded(async {
-            let client = self.client().await?;
-            let stmt = client.prepare_cached(CLAIM_SQL).await?;
             // The statement sees the snapshot taken at its start: a record
             // committed by a racing claim after that instant makes the insert
             // do nothing yet stays invisible to the select. Running it again
             // takes a new snapshot that sees it.
             for _ in 0..3 {
-                let rows = client
-                    .query(
-                        &stmt,
-                        &[
-                            &tenant.as_str(),
-                            &key.as_str(),
-                            &&fingerprint.as_bytes()[..],
-                            &owner.as_uuid(),
-                            &millis(lease),
-                            &millis(retention),
-                        ],
-                    )
-                    .await?;
-                if let Some(row) = rows.first() {
-                    return claim_result(row);
+                let item = ClaimItem {
+                    tenant: tenant.as_str().to_owned(),
+                    key: key.as_str().to_owned(),
+                    fingerprint: *fingerprint.as_bytes(),
+                    owner: owner.as_uuid(),
+                    lease_ms: millis(lease),
+                    retention_ms: millis(retention),
+                };
+                let out = match &self.batch {
+                    Some(b) => b.claims.submit(item).await?,
+                    None => exec_claims(self.pool.clone(), vec![item])
+                        .await?
+                        .pop()
+                        .flatten(),
+                };
+                if let Some(result) = out {
+                    return Ok(result);
                 }
             }
             Err(StoreError::Db(
@@ -487,30 +583,23 @@ impl Store {
         notify: Option<&str>,
     ) -> Result<Option<SystemTime>, StoreError> {
         self.bounded(async {
-            let client = self.client().await?;
-            let sql = if notify.is_some() {
-                COMPLETE_NOTIFY_SQL
-            } else {
-                COMPLETE_SQL
+            let item = CompleteItem {
+                tenant: tenant.as_str().to_owned(),
+                key: key.as_str().to_owned(),
+                owner: owner.as_uuid(),
+                retention_ms: millis(retention),
+                status: i16::try_from(response.status)
+                    .map_err(|_| StoreError::Corrupt(format!("status {}", response.status)))?,
+                response: response.clone(),
+                notify: notify.map(str::to_owned),
             };
-            let stmt = client.prepare_cached(sql).await?;
-            let names: Vec<&str> = response.headers.iter().map(|(n, _)| n.as_str()).collect();
-            let values: Vec<&[u8]> = response.headers.iter().map(|(_, v)| &v[..]).collect();
-            let status = i16::try_from(response.status)
-                .map_err(|_| StoreError::Corrupt(format!("status {}", response.status)))?;
-            let body: Option<&[u8]> = response.body.as_deref();
-            let retention = millis(retention);
-            let omitted = response.body.is_none();
-            let (tenant, key, owner) = (tenant.as_str(), key.as_str(), owner.as_uuid());
-            let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
-                &tenant, &key, &owner, &retention, &status, &names, &values, &body, &omitted,
-            ];
-            let channel_id = notify.unwrap_or_default();
-            if notify.is_some() {
-                params.push(&channel_id);
+            match &self.batch {
+                Some(b) => b.completions.submit(item).await,
+                None => Ok(exec_completions(self.pool.clone(), vec![item])
+                    .await?
+                    .pop()
+                    .flatten()),
             }
-            let row = client.query_opt(&stmt, &params).await?;
-            Ok(row.map(|r| r.get(0)))
         })
         .await
     }
@@ -614,6 +703,48 @@ impl Store {
         .await
     }
 
+    /// Lists records for operators, oldest first: `state` (`in_flight`,
+    /// `completed` or any), created at least `older_than` ago, optionally
+    /// for one tenant, at most `limit`.
+    pub async fn list(
+        &self,
+        state: Option<&str>,
+        older_than: Duration,
+        tenant: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<RecordSummary>, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let rows = client
+                .query(
+                    "SELECT tenant_id, idempotency_key, state, attempt, created_at,
+                            lease_expires_at, lease_expires_at > now(), response_status
+                       FROM idempotency_records
+                      WHERE ($1::text IS NULL OR state = $1)
+                        AND created_at <= now() - $2::bigint * interval '1 millisecond'
+                        AND ($3::text IS NULL OR tenant_id = $3)
+                      ORDER BY created_at
+                      LIMIT $4",
+                    &[&state, &millis(older_than), &tenant, &limit],
+                )
+                .await?;
+            Ok(rows
+                .iter()
+                .map(|r| RecordSummary {
+                    tenant: r.get(0),
+                    key: r.get(1),
+                    state: r.get(2),
+                    attempt: r.get(3),
+                    created_at: r.get(4),
+                    lease_expires_at: r.get(5),
+                    lease_valid: r.get::<_, Option<bool>>(6).unwrap_or(false),
+                    response_status: r.get(7),
+                })
+                .collect())
+        })
+        .await
+    }
+
     /// Deletes a record for an operator: in-flight records always,
     /// completed ones only with `force`. Returns the state deleted, or
     /// `Err` naming why nothing was.
@@ -653,6 +784,191 @@ impl Store {
         })
         .await
     }
+}
+
+/// The batchers of one store (one set per process).
+struct Batchers {
+    claims: Batcher<ClaimItem, Option<ClaimResult>>,
+    completions: Batcher<CompleteItem, Option<SystemTime>>,
+}
+
+impl Batchers {
+    /// Starts the workers: a quarter of the pool each for claims and for
+    /// completions, so reads, renewals and takeovers keep connections.
+    /// `None` outside a tokio runtime (then every statement goes alone).
+    fn start(pool: &Pool, pool_size: usize) -> Option<Arc<Batchers>> {
+        tokio::runtime::Handle::try_current().ok()?;
+        let workers = (pool_size / 4).max(1);
+        let (p1, p2) = (pool.clone(), pool.clone());
+        Some(Arc::new(Batchers {
+            claims: Batcher::start(workers, MAX_BATCH, move |items| {
+                exec_claims(p1.clone(), items)
+            }),
+            completions: Batcher::start(workers, MAX_BATCH, move |items| {
+                exec_completions(p2.clone(), items)
+            }),
+        }))
+    }
+}
+
+/// Most items in one batch (bounds statement size and lock hold time).
+const MAX_BATCH: usize = 128;
+
+/// One claim waiting for its batch.
+struct ClaimItem {
+    tenant: String,
+    key: String,
+    fingerprint: [u8; 32],
+    owner: uuid::Uuid,
+    lease_ms: i64,
+    retention_ms: i64,
+}
+
+/// One completion waiting for its batch.
+struct CompleteItem {
+    tenant: String,
+    key: String,
+    owner: uuid::Uuid,
+    retention_ms: i64,
+    status: i16,
+    response: StoredResponse,
+    notify: Option<String>,
+}
+
+/// Runs a batch of claims as one statement. `None` for an item: neither
+/// claimed nor visible yet (retry).
+async fn exec_claims(
+    pool: Pool,
+    items: Vec<ClaimItem>,
+) -> Result<Vec<Option<ClaimResult>>, StoreError> {
+    let client = pool.get().await.map_err(pool_error)?;
+    if let [item] = &items[..] {
+        // Alone (light load): the plain single-key statement.
+        let stmt = client.prepare_cached(CLAIM_SQL).await?;
+        let rows = client
+            .query(
+                &stmt,
+                &[
+                    &item.tenant,
+                    &item.key,
+                    &&item.fingerprint[..],
+                    &item.owner,
+                    &item.lease_ms,
+                    &item.retention_ms,
+                ],
+            )
+            .await?;
+        return Ok(vec![rows.first().map(claim_result).transpose()?]);
+    }
+    let stmt = client.prepare_cached(CLAIM_BATCH_SQL).await?;
+    let tenants: Vec<&str> = items.iter().map(|i| i.tenant.as_str()).collect();
+    let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+    let fps: Vec<&[u8]> = items.iter().map(|i| &i.fingerprint[..]).collect();
+    let owners: Vec<uuid::Uuid> = items.iter().map(|i| i.owner).collect();
+    let leases: Vec<i64> = items.iter().map(|i| i.lease_ms).collect();
+    let retentions: Vec<i64> = items.iter().map(|i| i.retention_ms).collect();
+    let rows = client
+        .query(
+            &stmt,
+            &[&tenants, &keys, &fps, &owners, &leases, &retentions],
+        )
+        .await?;
+    let mut out = vec![None; items.len()];
+    for row in &rows {
+        let i: i64 = row.get("i");
+        let slot = usize::try_from(i - 1)
+            .ok()
+            .and_then(|i| out.get_mut(i))
+            .ok_or_else(|| StoreError::Corrupt(format!("claim batch returned row {i}")))?;
+        *slot = Some(claim_result(row)?);
+    }
+    Ok(out)
+}
+
+/// Runs a batch of completions in one transaction: each row the same
+/// fenced UPDATE as alone, all pipelined (BEGIN, the updates and COMMIT
+/// leave together: one round trip, one commit), in `(tenant, key)` order.
+/// `None` for an item: the fence refused it (lease lost).
+async fn exec_completions(
+    pool: Pool,
+    items: Vec<CompleteItem>,
+) -> Result<Vec<Option<SystemTime>>, StoreError> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let plain = client.prepare_cached(COMPLETE_SQL).await?;
+    let notifying = if items.iter().any(|i| i.notify.is_some()) {
+        Some(client.prepare_cached(COMPLETE_NOTIFY_SQL).await?)
+    } else {
+        None
+    };
+    struct Params<'a> {
+        tenant: &'a str,
+        key: &'a str,
+        names: Vec<&'a str>,
+        values: Vec<&'a [u8]>,
+        body: Option<&'a [u8]>,
+        omitted: bool,
+        notify: Option<&'a str>,
+    }
+    let params: Vec<Params<'_>> = items
+        .iter()
+        .map(|i| Params {
+            tenant: &i.tenant,
+            key: &i.key,
+            names: i.response.headers.iter().map(|(n, _)| n.as_str()).collect(),
+            values: i.response.headers.iter().map(|(_, v)| &v[..]).collect(),
+            body: i.response.body.as_deref(),
+            omitted: i.response.body.is_none(),
+            notify: i.notify.as_deref(),
+        })
+        .collect();
+    let run = |idx: usize| {
+        let (item, p) = (&items[idx], &params[idx]);
+        let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
+            &p.tenant,
+            &p.key,
+            &item.owner,
+            &item.retention_ms,
+            &item.status,
+            &p.names,
+            &p.values,
+            &p.body,
+            &p.omitted,
+        ];
+        let stmt = match (&p.notify, &notifying) {
+            (Some(id), Some(stmt)) => {
+                args.push(id);
+                stmt
+            }
+            _ => &plain,
+        };
+        let client = &client;
+        async move { client.query_opt(stmt, &args).await }
+    };
+    if items.len() == 1 {
+        let row = run(0).await?;
+        return Ok(vec![row.map(|r| r.get(0))]);
+    }
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_by(|&a, &b| {
+        (&items[a].tenant, &items[a].key).cmp(&(&items[b].tenant, &items[b].key))
+    });
+    // join3 polls in argument order, and each query is sent on its first
+    // poll: BEGIN, the updates, COMMIT go out in that order.
+    let (begin, rows, commit) = futures_util::future::join3(
+        client.batch_execute("BEGIN"),
+        futures_util::future::join_all(order.iter().map(|&i| run(i))),
+        client.batch_execute("COMMIT"),
+    )
+    .await;
+    begin?;
+    let mut out = vec![None; items.len()];
+    // An error in any row aborted the transaction (its COMMIT rolled
+    // back): the batch failed as a whole.
+    for (&idx, row) in order.iter().zip(rows) {
+        out[idx] = row?.map(|r| r.get::<_, SystemTime>(0));
+    }
+    commit?;
+    Ok(out)
 }
 
 fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {

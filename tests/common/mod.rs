@@ -498,3 +498,64 @@ impl HttpClient {
         })
     }
 }
+
+// ---------------------------------------------------------------------------
+// Helpers for tests/operations.rs and tests/cli.rs.
+
+/// The URL of database `name` on the test server (which may not exist yet).
+pub fn database_url(name: &str) -> String {
+    with_database(&admin_url(), name)
+}
+
+/// A database name no other test uses (the database is not created).
+pub fn unique_database_name(tag: &str) -> String {
+    format!(
+        "idemproxy_test_{tag}_{}_{}_{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos()
+    )
+}
+
+/// Claims `key` for `tenant` (as stored) directly through the store, as an
+/// owner that never completes would: the record stays in flight.
+pub async fn claim_in_flight(
+    store: &Store,
+    tenant: &str,
+    key: &str,
+    lease: Duration,
+    retention: Duration,
+) -> idemproxy::idempotency::OwnerToken {
+    use idemproxy::idempotency::{
+        Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, TenantId,
+    };
+    use idemproxy::store::ClaimResult;
+    let fp = Fingerprint::compute(
+        FingerprintMode::Bytes,
+        "POST",
+        "/",
+        None,
+        None,
+        key.as_bytes(),
+    );
+    let owner = OwnerToken::mint();
+    let result = store
+        .claim(
+            &TenantId::from_stored(tenant),
+            &IdempotencyKey::parse(key.as_bytes(), 255).unwrap(),
+            &fp,
+            owner,
+            lease,
+            retention,
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(result, ClaimResult::Claimed(_)),
+        "{key} was already claimed"
+    );
+    owner
+}
