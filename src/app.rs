@@ -17,6 +17,7 @@ use tracing::{info, warn};
 
 use crate::admin::Admin;
 use crate::config::Config;
+use crate::lease::Renewer;
 use crate::metrics::Metrics;
 use crate::proxy::upstream::Upstream;
 use crate::proxy::Proxy;
@@ -75,6 +76,12 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
     let config = Arc::new(config);
     let store = Store::new(&config.store).context("building the database pool")?;
     let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
+    let tls = match &config.server.tls {
+        Some(files) => Some(
+            crate::tls::server_acceptor(files).context("setting up TLS on the proxy listener")?,
+        ),
+        None => None,
+    };
     let metrics = Arc::new(Metrics::new());
     let proxy_listener = TcpListener::bind(config.server.listen)
         .await
@@ -115,17 +122,34 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
             admin_rx.clone(),
         ));
     }
+    let shortest_lease = config
+        .routes
+        .iter()
+        .map(|r| r.policy.lease)
+        .min()
+        .unwrap_or(Duration::from_secs(10));
+    let renewer = Arc::new(Renewer::new(
+        store.clone(),
+        metrics.clone(),
+        crate::lease::tick_for(shortest_lease),
+    ));
+    // Renewals go on through the drain: in-flight calls still need them.
+    tokio::spawn(renewer.clone().run(admin_rx.clone()));
     let proxy = Arc::new(Proxy::new(
         config.clone(),
         store.clone(),
         upstream,
         metrics.clone(),
         waiters,
+        renewer,
     ));
-    let proxy_task = tokio::spawn(server::serve(
+    let proxy_task = tokio::spawn(server::serve_with(
         proxy_listener,
         proxy,
-        config.server.header_read_timeout,
+        server::ListenerOptions {
+            header_read_timeout: config.server.header_read_timeout,
+            tls,
+        },
         proxy_rx,
         config.server.shutdown_grace,
     ));
@@ -137,7 +161,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         admin_rx,
         Duration::from_secs(1),
     ));
-    info!(%proxy_addr, %admin_addr, upstream = %config.upstream.url, routes = config.routes.len(), "idemproxy listening");
+    info!(%proxy_addr, %admin_addr, tls = config.server.tls.is_some(), upstream = %config.upstream.url, routes = config.routes.len(), "idemproxy listening");
     Ok(Running {
         proxy_addr,
         admin_addr,

@@ -977,7 +977,8 @@ impl<'a> Checker<'a> {
             base.map(|b| b.timeout),
             Self::positive_duration,
         );
-        let ca_file = self.optional_path("upstream.ca_file", &raw.ca_file, base.map(|b| &b.ca_file));
+        let ca_file =
+            self.optional_path("upstream.ca_file", &raw.ca_file, base.map(|b| &b.ca_file));
         if let (Some(url), Some(v)) = (&url, &raw.ca_file) {
             if url.scheme() != Some(&http::uri::Scheme::HTTPS) {
                 self.report(
@@ -1441,7 +1442,6 @@ impl<'a> Checker<'a> {
         }
     }
 
-
     fn socket_addr(&mut self, key: &str, v: &Spanned<String>) -> Option<SocketAddr> {
         match v.get_ref().parse() {
             Ok(addr) => Some(addr),
@@ -1688,12 +1688,17 @@ fn check_database_url(url: &str) -> Result<(), &'static str> {
         return Err("must not be empty");
     }
     match url.split_once("://") {
-        Some(("postgres" | "postgresql", _)) => Ok(()),
-        Some(_) => Err("must be a postgres:// or postgresql:// URL (the value is not shown: it may contain a password)"),
-        None if url.contains('=') => Ok(()),
-        None => Err(
+        Some(("postgres" | "postgresql", _)) => {}
+        Some(_) => return Err("must be a postgres:// or postgresql:// URL (the value is not shown: it may contain a password)"),
+        None if url.contains('=') => {}
+        None => return Err(
             "must be a postgres:// or postgresql:// URL or a key=value connection string (the value is not shown: it may contain a password)",
         ),
+    }
+    // What `serve` will parse: check-config must not pass what serve rejects.
+    match crate::store::tls::parse_url(url) {
+        Ok(_) => Ok(()),
+        Err(_) => Err("does not parse as a PostgreSQL connection string (bad port, host, option or sslmode?); the value is not shown: it may contain a password"),
     }
 }
 
@@ -1701,6 +1706,18 @@ fn check_database_url(url: &str) -> Result<(), &'static str> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn database_url_that_the_driver_rejects_is_a_problem_without_echoing_it() {
+        let overrides = Overrides {
+            database_url: Some(Secret::new("postgres://u:pw@127.0.0.1:notaport/x")),
+            ..Overrides::default()
+        };
+        let err = parse("", "t.toml", &overrides).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("store.database_url"), "{text}");
+        assert!(!text.contains("pw@"), "{text}");
+    }
 
     /// DESIGN.md §3, verbatim.
     const DESIGN_EXAMPLE: &str = r#"[server]

@@ -1,83 +1,206 @@
-//! Lease renewal while an owned upstream call is in flight.
+//! Lease renewal while owned upstream calls are in flight.
 //!
-//! The owner renews about every third of the lease with a fenced UPDATE.
-//! A short lease therefore means a fast takeover after a crash without
-//! limiting how long an upstream call may run. Renewal runs beside the
-//! upstream call (not between its polls), so a slow database never delays
-//! a response; it ends when the call ends, and the call is bounded by the
-//! upstream timeout. A renewal that finds the lease lost stops renewing but
-//! does not abort the call: aborting would only make its outcome unknown.
+//! An owner renews its lease about every third of it with a fenced UPDATE,
+//! so a short lease means a fast takeover after a crash without limiting
+//! how long an upstream call may run. Renewal is per process, not per
+//! request: one task ticks and renews every claim that is due in a single
+//! statement (rows locked in `(tenant, key)` order, like every batch), so
+//! a thousand slow calls cost one UPDATE per tick, not a thousand.
+//!
+//! Renewal runs beside the upstream call, never between its polls, so a
+//! slow database never delays a response. A claim leaves the renewer when
+//! its call ends, and calls are bounded by the upstream timeout. A renewal
+//! that finds the lease lost stops renewing it but does not abort the call:
+//! aborting would only make its outcome unknown.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tracing::warn;
 
 use crate::idempotency::{IdempotencyKey, OwnerToken, TenantId};
 use crate::metrics::Metrics;
-use crate::store::Store;
-
-/// The claim being kept alive.
-pub struct LeaseHolder<'a> {
-    /// The store to renew in.
-    pub store: &'a Store,
-    /// Where renewals are counted.
-    pub metrics: &'a Metrics,
-    /// The claim's tenant.
-    pub tenant: &'a TenantId,
-    /// The claim's key.
-    pub key: &'a IdempotencyKey,
-    /// Our owner token.
-    pub owner: OwnerToken,
-    /// The route's lease.
-    pub lease: Duration,
-}
+use crate::store::{RenewItem, Store};
 
 /// Renewal period for a lease: a third of it, at least 50 ms.
 pub fn renewal_period(lease: Duration) -> Duration {
     (lease / 3).max(Duration::from_millis(50))
 }
 
-impl LeaseHolder<'_> {
-    /// Runs `fut` to completion, renewing the lease meanwhile. Returns its
-    /// output and whether a renewal found the lease lost.
-    pub async fn renew_while<F: Future>(&self, fut: F) -> (F::Output, bool) {
-        let lost = AtomicBool::new(false);
-        let period = renewal_period(self.lease);
-        let renew = async {
-            loop {
-                tokio::time::sleep(period).await;
-                let started = Instant::now();
-                let result = self
-                    .store
-                    .renew(self.tenant, self.key, self.owner, self.lease)
-                    .await;
-                self.metrics.store("renew", started.elapsed());
-                match result {
-                    Ok(true) => self.metrics.renewal("ok"),
-                    Ok(false) => {
+/// How often the renewer looks for due claims, given the shortest lease
+/// of any route: half its renewal period, so a claim is renewed between a
+/// third and a half of its lease after the last renewal.
+pub fn tick_for(shortest_lease: Duration) -> Duration {
+    (renewal_period(shortest_lease) / 2).max(Duration::from_millis(25))
+}
+
+struct Entry {
+    item: RenewItem,
+    lease: Duration,
+    due: Instant,
+    lost: Arc<AtomicBool>,
+}
+
+/// The process's lease renewer.
+pub struct Renewer {
+    store: Store,
+    metrics: Arc<Metrics>,
+    entries: Mutex<HashMap<u64, Entry>>,
+    next_id: AtomicU64,
+    tick: Duration,
+}
+
+/// A claim held by the renewer; leaves it on drop.
+pub struct Renewal<'a> {
+    renewer: &'a Renewer,
+    id: u64,
+    lost: Arc<AtomicBool>,
+}
+
+impl Renewal<'_> {
+    /// Whether a renewal found the lease lost.
+    pub fn lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Renewal<'_> {
+    fn drop(&mut self) {
+        self.renewer.lock().remove(&self.id);
+    }
+}
+
+impl Renewer {
+    /// A renewer that looks for due claims every `tick`.
+    pub fn new(store: Store, metrics: Arc<Metrics>, tick: Duration) -> Self {
+        Renewer {
+            store,
+            metrics,
+            entries: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+            tick,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps a claim alive until the returned guard is dropped.
+    pub fn hold(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Renewal<'_> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let lost = Arc::new(AtomicBool::new(false));
+        self.lock().insert(
+            id,
+            Entry {
+                item: RenewItem {
+                    tenant: tenant.as_str().to_owned(),
+                    key: key.as_str().to_owned(),
+                    owner: owner.as_uuid(),
+                    lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
+                },
+                lease,
+                due: Instant::now() + renewal_period(lease),
+                lost: lost.clone(),
+            },
+        );
+        Renewal {
+            renewer: self,
+            id,
+            lost,
+        }
+    }
+
+    /// Runs `fut` while the claim is kept alive; returns its output and
+    /// whether the lease was found lost meanwhile.
+    pub async fn renew_while<F: Future>(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+        lease: Duration,
+        fut: F,
+    ) -> (F::Output, bool) {
+        let renewal = self.hold(tenant, key, owner, lease);
+        let out = fut.await;
+        (out, renewal.lost())
+    }
+
+    /// Claims currently held.
+    pub fn held(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Renews every due claim in one statement. Returns how many were sent.
+    pub async fn renew_due(&self) -> usize {
+        let now = Instant::now();
+        let due: Vec<(u64, RenewItem)> = self
+            .lock()
+            .iter()
+            .filter(|(_, e)| e.due <= now && !e.lost.load(Ordering::SeqCst))
+            .map(|(id, e)| (*id, e.item.clone()))
+            .collect();
+        if due.is_empty() {
+            return 0;
+        }
+        let (ids, items): (Vec<u64>, Vec<RenewItem>) = due.into_iter().unzip();
+        let started = Instant::now();
+        let result = self.store.renew_batch(&items).await;
+        self.metrics.store("renew", started.elapsed());
+        match result {
+            Ok(renewed) => {
+                let mut entries = self.lock();
+                for (id, ok) in ids.iter().zip(renewed) {
+                    // Gone already: its call ended meanwhile.
+                    let Some(e) = entries.get_mut(id) else {
+                        continue;
+                    };
+                    if ok {
+                        self.metrics.renewal("ok");
+                        e.due = started + renewal_period(e.lease);
+                    } else {
                         self.metrics.renewal("lost");
-                        tracing::warn!(
-                            key = %self.key,
+                        e.lost.store(true, Ordering::SeqCst);
+                        warn!(
+                            key = %e.item.key,
                             "lease lost while the upstream call is in flight; the call continues, its result will not be stored"
                         );
-                        lost.store(true, Ordering::Relaxed);
-                        return;
-                    }
-                    Err(e) => {
-                        // Keep trying: the fence decides in the end.
-                        self.metrics.renewal("error");
-                        tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
                     }
                 }
             }
-        };
-        tokio::pin!(fut);
-        let out = tokio::select! {
-            biased;
-            out = &mut fut => out,
-            () = renew => fut.await,
-        };
-        (out, lost.load(Ordering::Relaxed))
+            Err(e) => {
+                // Keep trying at the next tick: the fence decides in the end.
+                for _ in &ids {
+                    self.metrics.renewal("error");
+                }
+                warn!(error = %e, claims = ids.len(), "lease renewal failed");
+            }
+        }
+        ids.len()
+    }
+
+    /// Ticks until shutdown.
+    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let mut ticker = tokio::time::interval(self.tick);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {
+                    self.renew_due().await;
+                }
+                () = crate::server::stopped(&mut shutdown) => return,
+            }
+        }
     }
 }
 
@@ -95,5 +218,18 @@ mod tests {
             renewal_period(Duration::from_millis(60)),
             Duration::from_millis(50)
         );
+    }
+
+    #[test]
+    fn ticks_fast_enough_to_renew_before_half_the_lease() {
+        for lease in [
+            Duration::from_millis(300),
+            Duration::from_secs(10),
+            Duration::from_secs(30),
+        ] {
+            assert!(
+                renewal_period(lease) + tick_for(lease) <= lease / 2 + Duration::from_millis(25)
+            );
+        }
     }
 }

@@ -580,3 +580,57 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
         "some claims shared a statement: {batches} statements for {items} claims"
     );
 }
+
+// Renewal is per process: many slow calls share one UPDATE per tick.
+#[tokio::test]
+async fn leases_of_many_slow_calls_are_renewed_together() {
+    let h =
+        Harness::start(Setup::default().defaults("lease = \"300ms\"\nretention = \"1h\"\n")).await;
+    let url = h.url("/v1/payments");
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let client = common::HttpClient::new();
+            let url = url.clone();
+            tokio::spawn(async move {
+                client
+                    .send(
+                        Req::post(&url)
+                            .key(&format!("k-slow-{i}"))
+                            .json(PAY)
+                            .header("x-sample-delay-ms", "1200"),
+                    )
+                    .await
+            })
+        })
+        .collect();
+    // Well past the lease: nobody else may take any of them over.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    for i in 0..20 {
+        h.post("/v1/payments", &format!("k-slow-{i}"), PAY)
+            .await
+            .assert_problem(409, "request-in-progress");
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().status, 201);
+    }
+    let metrics = h.running().metrics.render();
+    let value = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("{prefix} missing:\n{metrics}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let renewed = value(r#"idemproxy_lease_renewals_total{result="ok"} "#);
+    let statements = value(r#"idemproxy_store_duration_seconds_count{op="renew"} "#);
+    assert!(
+        renewed >= 40.0,
+        "every call renewed several times: {renewed}"
+    );
+    assert!(
+        statements * 4.0 <= renewed,
+        "{statements} statements for {renewed} renewals"
+    );
+}

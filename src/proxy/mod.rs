@@ -39,7 +39,7 @@ use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, Settlement, TenantError,
     TenantId, UpstreamOutcome,
 };
-use crate::lease::LeaseHolder;
+use crate::lease::Renewer;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{Claim, ClaimResult, Replace, Store, StoreError, StoredResponse};
 use crate::waiters::{WaitGuard, Waiters};
@@ -157,6 +157,7 @@ pub struct Proxy {
     upstream: Upstream,
     metrics: Arc<Metrics>,
     waiters: Arc<Waiters>,
+    renewer: Arc<Renewer>,
 }
 
 impl Proxy {
@@ -167,6 +168,7 @@ impl Proxy {
         upstream: Upstream,
         metrics: Arc<Metrics>,
         waiters: Arc<Waiters>,
+        renewer: Arc<Renewer>,
     ) -> Self {
         Proxy {
             config,
@@ -174,6 +176,7 @@ impl Proxy {
             upstream,
             metrics,
             waiters,
+            renewer,
         }
     }
 
@@ -508,16 +511,11 @@ impl Proxy {
                 Err(_) => Err(UpstreamError::Timeout(timeout)),
             }
         };
-        let holder = LeaseHolder {
-            store: &self.store,
-            metrics: &self.metrics,
-            tenant: &k.tenant,
-            key: &k.key,
-            owner: claim.owner,
-            lease: policy.lease,
-        };
         let started = Instant::now();
-        let (result, _lost) = holder.renew_while(bounded).await;
+        let (result, _lost) = self
+            .renewer
+            .renew_while(&k.tenant, &k.key, claim.owner, policy.lease, bounded)
+            .await;
         let elapsed = started.elapsed();
         self.metrics.upstream(elapsed);
         k.timings

@@ -173,6 +173,19 @@ pub struct RecordDetails {
     pub now: SystemTime,
 }
 
+/// One claim to renew.
+#[derive(Debug, Clone)]
+pub struct RenewItem {
+    /// The tenant as stored.
+    pub tenant: String,
+    /// The key.
+    pub key: String,
+    /// Our owner token.
+    pub owner: uuid::Uuid,
+    /// The lease to extend to, in milliseconds from the database's now.
+    pub lease_ms: i64,
+}
+
 /// One line of `idemproxy keys list`.
 #[derive(Debug, Clone)]
 pub struct RecordSummary {
@@ -318,6 +331,29 @@ UPDATE idempotency_records
    SET lease_expires_at = now() + $4::bigint * interval '1 millisecond'
  WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
    AND state = 'in_flight'";
+
+/// `RENEW_SQL` for every due claim of this process at once. Rows are
+/// locked in `(tenant, key)` order first, like every batch, so renewals and
+/// batched completions never wait on each other in opposite orders.
+const RENEW_BATCH_SQL: &str = "
+WITH u AS (
+    SELECT *
+      FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bigint[])
+           WITH ORDINALITY AS u(tenant_id, idempotency_key, owner_token, lease_ms, i)
+), locked AS (
+    SELECT t.tenant_id, t.idempotency_key, u.lease_ms, u.i
+      FROM idempotency_records t
+      JOIN u ON t.tenant_id = u.tenant_id AND t.idempotency_key = u.idempotency_key
+            AND t.owner_token = u.owner_token
+     WHERE t.state = 'in_flight'
+     ORDER BY t.tenant_id, t.idempotency_key
+       FOR UPDATE OF t
+)
+UPDATE idempotency_records t
+   SET lease_expires_at = now() + locked.lease_ms * interval '1 millisecond'
+  FROM locked
+ WHERE t.tenant_id = locked.tenant_id AND t.idempotency_key = locked.idempotency_key
+RETURNING locked.i";
 
 const RELEASE_SQL: &str = "
 DELETE FROM idempotency_records
@@ -627,6 +663,31 @@ impl Store {
                 )
                 .await?;
             Ok(n == 1)
+        })
+        .await
+    }
+
+    /// Renews many claims in one statement; for each, `false` if the fence
+    /// refused it (lease lost).
+    pub async fn renew_batch(&self, items: &[RenewItem]) -> Result<Vec<bool>, StoreError> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client.prepare_cached(RENEW_BATCH_SQL).await?;
+            let tenants: Vec<&str> = items.iter().map(|i| i.tenant.as_str()).collect();
+            let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+            let owners: Vec<uuid::Uuid> = items.iter().map(|i| i.owner).collect();
+            let leases: Vec<i64> = items.iter().map(|i| i.lease_ms).collect();
+            let rows = client
+                .query(&stmt, &[&tenants, &keys, &owners, &leases])
+                .await?;
+            let mut renewed = vec![false; items.len()];
+            for row in rows {
+                let i: i64 = row.get(0);
+                if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| renewed.get_mut(i)) {
+                    *slot = true;
+                }
+            }
+            Ok(renewed)
         })
         .await
     }
