@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::admin::Admin;
+use crate::cache::ResponseCache;
 use crate::config::Config;
 use crate::lease::Renewer;
 use crate::metrics::Metrics;
@@ -114,11 +115,17 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
     }
 
     let waiters = Arc::new(Waiters::new(config.server.max_waiters));
-    if config.routes.iter().any(|r| !r.policy.wait.is_zero()) {
-        // One listening connection per process, only where duplicates wait.
+    let cache = Arc::new(ResponseCache::new(
+        config.store.response_cache,
+        config.store.response_cache_ttl,
+    ));
+    if config.routes.iter().any(|r| !r.policy.wait.is_zero()) || config.store.response_cache > 0 {
+        // One listening connection per process: wake-ups for waiting
+        // duplicates, invalidations for the response cache.
         tokio::spawn(crate::waiters::listen(
             store.clone(),
             waiters.clone(),
+            cache.clone(),
             admin_rx.clone(),
         ));
     }
@@ -142,6 +149,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         metrics.clone(),
         waiters,
         renewer,
+        cache,
     ));
     let proxy_task = tokio::spawn(server::serve_with(
         proxy_listener,

@@ -106,6 +106,12 @@ pub struct StoreConfig {
     /// CA certificates (PEM) that verify the database's certificate
     /// (`sslmode=verify-ca`/`verify-full`, or `require` with a CA).
     pub ca_file: Option<PathBuf>,
+    /// Bytes of completed responses kept in memory for replays (0: none).
+    pub response_cache: u64,
+    /// Longest time a response is replayed from memory without asking the
+    /// database (bounds how long an operator's manual release goes
+    /// unnoticed by a replica).
+    pub response_cache_ttl: Duration,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -397,6 +403,8 @@ database_url = "postgres://idemproxy@127.0.0.1:5432/idemproxy"
 pool_size = 16
 timeout = "2s"
 on_store_error = "reject"
+response_cache = "16MiB"
+response_cache_ttl = "60s"
 
 [sweeper]
 interval = "60s"
@@ -511,6 +519,10 @@ struct RawStore {
     on_store_error: Option<Spanned<String>>,
     /// PEM file of CA certificates that verify the database server's certificate under `sslmode=verify-ca`/`verify-full` (or `require`, which then verifies the chain, as libpq does); without it those modes use the system store. The URL's `sslrootcert` may name it instead. Read at start.
     ca_file: Option<Spanned<String>>,
+    /// Memory for completed responses replayed without a database round trip (they are immutable until they expire); `"0"` turns the cache off. Bounds the cache, not the process.
+    response_cache: Option<Spanned<String>>,
+    /// Longest time a cached response is replayed without asking the database: an operator's `keys release --force` of a completed key reaches every replica within it; greater than 0.
+    response_cache_ttl: Option<Spanned<String>>,
 }
 
 /// `[sweeper]` (an extension to DESIGN.md §3).
@@ -1057,7 +1069,21 @@ impl<'a> Checker<'a> {
             },
         );
         let ca_file = self.optional_path("store.ca_file", &raw.ca_file, base.map(|b| &b.ca_file));
+        let response_cache = self.get(
+            "store.response_cache",
+            &raw.response_cache,
+            base.map(|b| b.response_cache),
+            Self::size,
+        );
+        let response_cache_ttl = self.get(
+            "store.response_cache_ttl",
+            &raw.response_cache_ttl,
+            base.map(|b| b.response_cache_ttl),
+            Self::positive_duration,
+        );
         Some(StoreConfig {
+            response_cache: response_cache?,
+            response_cache_ttl: response_cache_ttl?,
             database_url: database_url?,
             pool_size: pool_size?,
             timeout: timeout?,
@@ -2538,7 +2564,7 @@ retention = \"0s\"
         assert!(keys.contains(&("sweeper", "batch_size")));
         assert!(keys.contains(&("route", "name")));
         assert!(keys.contains(&("defaults", "wait")));
-        assert_eq!(keys.len(), 8 + 4 + 5 + 2 + 12 + 5);
+        assert_eq!(keys.len(), 8 + 4 + 7 + 2 + 12 + 5);
     }
 
     #[test]
@@ -2622,6 +2648,91 @@ retention = \"0s\"
                 toml::Value::String(size),
             );
             let _ = parse(&text, "p.toml", &Overrides::default());
+        }
+    }
+
+    // --- properties of the whole report ---------------------------------
+
+    /// Keys no section has (every real key is in lower-case ASCII without
+    /// this prefix).
+    fn unknown_key() -> impl Strategy<Value = String> {
+        "zz_[a-z]{1,8}"
+    }
+
+    proptest! {
+        #[test]
+        fn every_unknown_key_is_reported_with_its_section_and_line(
+            placed in proptest::collection::vec((0usize..5, unknown_key()), 1..8),
+        ) {
+            const SECTIONS: [&str; 5] = ["server", "upstream", "store", "sweeper", "defaults"];
+            let mut text = String::new();
+            let mut expected = Vec::new();
+            for (i, section) in SECTIONS.iter().enumerate() {
+                text.push_str(&format!("[{section}]\n"));
+                let mut seen = std::collections::HashSet::new();
+                for (_, key) in placed.iter().filter(|(s, _)| *s == i) {
+                    if seen.insert(key.clone()) {
+                        text.push_str(&format!("{key} = 1\n"));
+                        expected.push((format!("{section}.{key}"), text.lines().count()));
+                    }
+                }
+            }
+            let err = parse(&text, "p.toml", &Overrides::default()).unwrap_err();
+            prop_assert_eq!(err.problems.len(), expected.len(), "{}", err);
+            for (key, line) in expected {
+                let p = err.problems.iter().find(|p| p.key == key);
+                prop_assert!(p.is_some(), "{} not reported in {}", key, err);
+                prop_assert_eq!(p.unwrap().line, Some(line));
+            }
+        }
+
+        #[test]
+        fn every_bad_value_is_reported_at_once(mask in 1u8..32) {
+            let bad = [
+                ("server.listen", "[server]\nlisten = \"nonsense\"\n"),
+                ("store.pool_size", "[store]\npool_size = -1\n"),
+                ("sweeper.interval", "[sweeper]\ninterval = \"10 parsecs\"\n"),
+                ("defaults.methods[0]", "[defaults]\nmethods = [\"post\"]\n"),
+                ("route[0].path_prefix", "[[route]]\npath_prefix = \"v1\"\n"),
+            ];
+            let chosen: Vec<_> = bad.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0).map(|(_, b)| b).collect();
+            let text: String = chosen.iter().map(|(_, t)| *t).collect();
+            let err = parse(&text, "p.toml", &Overrides::default()).unwrap_err();
+            for (key, _) in &chosen {
+                prop_assert!(err.problems.iter().any(|p| p.key == *key), "{} missing from {}", key, err);
+            }
+            prop_assert_eq!(err.problems.len(), chosen.len(), "{}", err);
+        }
+
+        #[test]
+        fn durations_and_sizes_round_trip(
+            lease_ms in 100u64..86_400_000,
+            body in 0u64..(1 << 40),
+        ) {
+            let lease = Duration::from_millis(lease_ms);
+            let text = format!(
+                "[server]\nmax_request_body = \"{body}\"\n[defaults]\nlease = \"{}\"\nretention = \"400days\"\n",
+                humantime::format_duration(lease)
+            );
+            let config = parse(&text, "p.toml", &Overrides::default()).unwrap();
+            prop_assert_eq!(config.routes[0].policy.lease, lease);
+            prop_assert_eq!(config.server.max_request_body, body);
+            let kib = format!("[server]\nmax_request_body = \"{}KiB\"\n", body >> 10);
+            let config = parse(&kib, "p.toml", &Overrides::default()).unwrap();
+            prop_assert_eq!(config.server.max_request_body, (body >> 10) * 1024);
+        }
+
+        #[test]
+        fn every_problem_line_is_a_line_of_the_file(text in "(\\[[a-z]{0,8}\\]|[a-z_]{1,10} = (\"[^\"\\\\]{0,8}\"|-?[0-9]{1,3}|\\[\\]))(\n(\\[\\[?[a-z]{0,8}\\]\\]?|[a-z_]{1,10} = (\"[^\"\\\\]{0,8}\"|-?[0-9]{1,3}|true))){0,15}") {
+            if let Err(err) = parse(&text, "p.toml", &Overrides::default()) {
+                prop_assert!(!err.problems.is_empty());
+                let lines = text.lines().count().max(1);
+                for p in &err.problems {
+                    if let Some(line) = p.line {
+                        prop_assert!((1..=lines).contains(&line), "{} (file has {} lines)", p, lines);
+                    }
+                }
+            }
         }
     }
 }

@@ -6,8 +6,8 @@
 //!
 //! A keyed request walks through the modules in this order:
 //!
-//! * [`server`] accepts the connection (HTTP/1.1 or h2c) and hands the
-//!   request to [`proxy::Proxy`].
+//! * [`server`] accepts the connection (HTTP/1.1 or h2, in clear or over
+//!   TLS, see [`tls`]) and hands the request to [`proxy::Proxy`].
 //! * [`proxy`] matches a [`config::Route`], validates the key and tenant
 //!   ([`idempotency::key`], [`idempotency::tenant`]), buffers the body and
 //!   computes its [`idempotency::fingerprint`].
@@ -20,6 +20,8 @@
 //!   released, or it is left to expire when the outcome is unknown.
 //! * A duplicate of an in-flight key on a route with `wait` sleeps in
 //!   [`waiters`] until the original completes (pushed by `NOTIFY`).
+//! * A replica replays completions it has seen from [`cache`] (bounded,
+//!   short-lived) without a round trip.
 //! * Every answer the proxy makes itself is built in [`proxy::problem`].
 //!
 //! Around the request path: [`config`] (TOML → validated `Config`),
@@ -30,6 +32,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod idempotency;
@@ -40,4 +43,5 @@ pub mod sample_upstream;
 pub mod server;
 pub mod store;
 pub mod sweeper;
+pub mod tls;
 pub mod waiters;

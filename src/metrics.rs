@@ -316,8 +316,45 @@ mod tests {
             "idemproxy_lease_renewals_total",
             "idemproxy_sweeper_deleted_total",
             "idemproxy_store_pool_connections",
+            "idemproxy_store_pool_available",
+            "idemproxy_store_pool_waiting",
         ] {
             assert!(text.contains(name), "{name} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn outcome_labels_are_the_documented_ones() {
+        // Dashboards and alerts (deploy/grafana, docs/operations.md) match
+        // these strings: renaming one is a breaking change.
+        use Outcome::*;
+        let labels: Vec<&str> = [
+            Claimed,
+            Replayed,
+            Conflict,
+            Mismatch,
+            Passthrough,
+            Released,
+            LostLease,
+            StoreError,
+            Rejected,
+        ]
+        .iter()
+        .map(|o| o.as_str())
+        .collect();
+        assert_eq!(
+            labels,
+            [
+                "claimed",
+                "replayed",
+                "conflict",
+                "mismatch",
+                "passthrough",
+                "released",
+                "lost_lease",
+                "store_error",
+                "rejected"
+            ]
+        );
     }
 }

@@ -1,19 +1,33 @@
-//! Listeners: accept loops for the proxy (HTTP/1.1 and h2c on one port)
-//! and the admin endpoints, each draining its connections on shutdown.
+//! Listeners: accept loops for the proxy (HTTP/1.1 and h2 on one port, in
+//! clear or over TLS) and the admin endpoints, each draining its
+//! connections on shutdown.
+//!
+//! Slow clients are bounded before they reach the proxy: the first bytes
+//! (which tell HTTP/1.1 from h2), the TLS handshake and the request headers
+//! must each arrive within `header_read_timeout`, or the connection is
+//! closed without an answer (there is no request to answer yet). The
+//! protocol is chosen here, by those first bytes or by ALPN, rather than by
+//! hyper-util's automatic detection, which waits for them without a bound:
+//! a client that connects and sends nothing would hold its socket forever.
+//! Malformed requests are refused by hyper's parser with a 4xx (400, 431)
+//! before the proxy sees them, so nothing is stored or forwarded.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper::rt::{Read, Write};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
 use crate::proxy::{ClientInfo, Proxy, ProxyBody};
@@ -34,17 +48,57 @@ impl Handler for Proxy {
         req: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<ProxyBody> {
-        self.handle(req, client).await
+        // Each request runs in a task of its own, not inside its
+        // connection's future: when a client gives up and closes the
+        // connection, hyper drops that future and everything polled by it.
+        // An owned claim must outlive its client: the upstream call goes on,
+        // the lease stays renewed and the response is stored, so the
+        // client's retry replays it instead of taking over an abandoned
+        // claim and executing the request a second time.
+        match tokio::spawn(async move { self.handle(req, client).await }).await {
+            Ok(response) => response,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Cancelled: only when the runtime itself shuts down.
+            Err(_) => {
+                let mut response = Response::new(crate::proxy::full(bytes::Bytes::new()));
+                *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+                response
+            }
+        }
     }
+}
+
+/// How a listener talks to its clients.
+#[derive(Clone, Default)]
+pub struct ListenerOptions {
+    /// Bound on the TLS handshake and on the request headers.
+    pub header_read_timeout: Duration,
+    /// TLS (HTTP/1.1 and h2 by ALPN); `None`: HTTP/1.1 and h2c in clear.
+    pub tls: Option<TlsAcceptor>,
+}
+
+/// Serves `listener` in clear; see [`serve_with`].
+pub async fn serve<H: Handler>(
+    listener: TcpListener,
+    handler: Arc<H>,
+    header_read_timeout: Duration,
+    shutdown: watch::Receiver<bool>,
+    grace: Duration,
+) {
+    let options = ListenerOptions {
+        header_read_timeout,
+        tls: None,
+    };
+    serve_with(listener, handler, options, shutdown, grace).await;
 }
 
 /// Serves `listener` until `shutdown` flips to true, then stops accepting
 /// (the listener is closed at once, so new connections are refused) and
 /// gives open connections up to `grace` to finish their requests.
-pub async fn serve<H: Handler>(
+pub async fn serve_with<H: Handler>(
     listener: TcpListener,
     handler: Arc<H>,
-    header_read_timeout: Duration,
+    options: ListenerOptions,
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
 ) {
@@ -52,7 +106,7 @@ pub async fn serve<H: Handler>(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_read_timeout);
+        .header_read_timeout(options.header_read_timeout);
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     loop {
@@ -69,19 +123,24 @@ pub async fn serve<H: Handler>(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let handler = handler.clone();
-                let client = ClientInfo { addr, proto: "http" };
-                let service = service_fn(move |req| {
-                    let handler = handler.clone();
-                    async move { Ok::<_, Infallible>(handler.call(req, client).await) }
-                });
-                let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        debug!(error = %e, client = %addr, "connection ended with an error");
+                let connection = Connection {
+                    builder: builder.clone(),
+                    handler: handler.clone(),
+                    watcher: graceful.watcher(),
+                    addr,
+                };
+                match &options.tls {
+                    None => {
+                        tokio::spawn(connection.sniff(stream, options.header_read_timeout));
                     }
-                });
+                    Some(acceptor) => {
+                        tokio::spawn(connection.handshake(
+                            acceptor.clone(),
+                            stream,
+                            options.header_read_timeout,
+                        ));
+                    }
+                }
             }
             () = stopped(&mut shutdown) => break,
         }
@@ -91,6 +150,98 @@ pub async fn serve<H: Handler>(
         () = graceful.shutdown() => {}
         () = tokio::time::sleep(grace) => {
             warn!(?grace, "shutdown grace elapsed with connections still open; closing them");
+        }
+    }
+}
+
+/// One accepted connection, before it is served.
+struct Connection<H> {
+    builder: auto::Builder<TokioExecutor>,
+    handler: Arc<H>,
+    watcher: Watcher,
+    addr: SocketAddr,
+}
+
+/// The HTTP version a connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Http1,
+    H2,
+}
+
+/// What an h2 client sends first ("prior knowledge", RFC 9113 §3.3).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+impl<H: Handler> Connection<H> {
+    /// Tells HTTP/1.1 from h2c by the first bytes, which must arrive within
+    /// `timeout`, then serves.
+    async fn sniff(self, stream: TcpStream, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut buf = [0u8; H2_PREFACE.len()];
+        let protocol = loop {
+            let n = match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
+                Ok(Ok(0)) => return, // closed before a byte
+                Ok(Ok(n)) => n,
+                Ok(Err(e)) => {
+                    debug!(error = %e, client = %self.addr, "connection failed before a request");
+                    return;
+                }
+                Err(_) => {
+                    debug!(client = %self.addr, ?timeout, "no request within header_read_timeout");
+                    return;
+                }
+            };
+            if buf[..n] != H2_PREFACE[..n] {
+                break Protocol::Http1;
+            }
+            if n == H2_PREFACE.len() {
+                break Protocol::H2;
+            }
+            // A fragment of the h2 preface: `peek` would return the same
+            // bytes at once, so wait a moment for the rest.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        self.serve(TokioIo::new(stream), "http", protocol).await;
+    }
+
+    /// Completes the TLS handshake within `timeout`, then serves the
+    /// protocol ALPN chose (HTTP/1.1 when the client named none).
+    async fn handshake(self, acceptor: TlsAcceptor, stream: TcpStream, timeout: Duration) {
+        match tokio::time::timeout(timeout, acceptor.accept(stream)).await {
+            Ok(Ok(tls)) => {
+                let protocol = match tls.get_ref().1.alpn_protocol() {
+                    Some(b"h2") => Protocol::H2,
+                    _ => Protocol::Http1,
+                };
+                self.serve(TokioIo::new(tls), "https", protocol).await;
+            }
+            Ok(Err(e)) => debug!(error = %e, client = %self.addr, "TLS handshake failed"),
+            Err(_) => debug!(client = %self.addr, ?timeout, "TLS handshake timed out"),
+        }
+    }
+
+    async fn serve<I>(self, io: I, proto: &'static str, protocol: Protocol)
+    where
+        I: Read + Write + Unpin + Send + 'static,
+    {
+        let Connection {
+            builder,
+            handler,
+            watcher,
+            addr,
+        } = self;
+        let client = ClientInfo { addr, proto };
+        let service = service_fn(move |req| {
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler.call(req, client).await) }
+        });
+        let builder = match protocol {
+            Protocol::Http1 => builder.http1_only(),
+            Protocol::H2 => builder.http2_only(),
+        };
+        let conn = builder.serve_connection(io, service).into_owned();
+        if let Err(e) = watcher.watch(conn).await {
+            debug!(error = %e, client = %addr, "connection ended with an error");
         }
     }
 }

@@ -22,6 +22,7 @@ use tokio::sync::{watch, Notify};
 use tokio_postgres::AsyncMessage;
 use tracing::{info, warn};
 
+use crate::cache::ResponseCache;
 use crate::idempotency::{IdempotencyKey, TenantId};
 use crate::store::Store;
 
@@ -31,10 +32,15 @@ pub const CHANNEL: &str = "idemproxy_keys";
 /// Names a key on the channel: hex of the first 16 bytes of
 /// SHA-256(tenant, 0, key).
 pub fn key_id(tenant: &TenantId, key: &IdempotencyKey) -> String {
+    raw_key_id(tenant.as_str(), key.as_str())
+}
+
+/// [`key_id`] of a stored tenant and key given as text (operators' tools).
+pub fn raw_key_id(tenant: &str, key: &str) -> String {
     let mut h = Sha256::new();
-    h.update(tenant.as_str().as_bytes());
+    h.update(tenant.as_bytes());
     h.update([0]);
-    h.update(key.as_str().as_bytes());
+    h.update(key.as_bytes());
     hex::encode(&h.finalize()[..16])
 }
 
@@ -122,9 +128,15 @@ impl Waiters {
     }
 }
 
-/// Listens on the channel and wakes local waiters, reconnecting with
+/// Listens on the channel, wakes local waiters of a changed key and drops
+/// it from the response cache (an operator's release), reconnecting with
 /// backoff until shutdown.
-pub async fn listen(store: Store, waiters: Arc<Waiters>, mut shutdown: watch::Receiver<bool>) {
+pub async fn listen(
+    store: Store,
+    waiters: Arc<Waiters>,
+    cache: Arc<ResponseCache>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut delay = Duration::from_millis(100);
     loop {
         match store.connect_dedicated().await {
@@ -132,7 +144,10 @@ pub async fn listen(store: Store, waiters: Arc<Waiters>, mut shutdown: watch::Re
                 let pump = async {
                     loop {
                         match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
-                            Some(Ok(AsyncMessage::Notification(n))) => waiters.wake(n.payload()),
+                            Some(Ok(AsyncMessage::Notification(n))) => {
+                                cache.invalidate(n.payload());
+                                waiters.wake(n.payload());
+                            }
                             Some(Ok(_)) => {}
                             Some(Err(e)) => return e.to_string(),
                             None => return "connection closed".to_string(),
@@ -144,6 +159,7 @@ pub async fn listen(store: Store, waiters: Arc<Waiters>, mut shutdown: watch::Re
                         Ok(()) => {
                             info!("listening for key completions");
                             // Anything that changed while we were away.
+                            cache.clear();
                             waiters.wake_all();
                             std::future::pending::<()>().await;
                         }

@@ -247,4 +247,46 @@ mod tests {
             }
         }
     }
+
+    proptest! {
+        #[test]
+        fn quoted_and_bare_forms_are_the_same_key(key in "[!#-\\[\\]-~]{1,64}") {
+            // No quote or backslash inside: the structured-field string is
+            // just the key in quotes.
+            prop_assume!(!key.starts_with('"'));
+            let bare = IdempotencyKey::parse(key.as_bytes(), 64).unwrap();
+            let quoted = IdempotencyKey::parse(format!("\"{key}\"").as_bytes(), 64).unwrap();
+            prop_assert_eq!(bare, quoted);
+        }
+
+        #[test]
+        fn optional_whitespace_around_a_key_is_ignored(
+            key in "[!-~]{1,32}",
+            before in "[ \t]{0,3}",
+            after in "[ \t]{0,3}",
+        ) {
+            prop_assume!(!key.starts_with('"'));
+            let padded = format!("{before}{key}{after}");
+            prop_assert_eq!(
+                IdempotencyKey::parse(padded.as_bytes(), 64),
+                IdempotencyKey::parse(key.as_bytes(), 64)
+            );
+        }
+
+        #[test]
+        fn a_byte_outside_visible_ascii_is_refused_where_it_is(
+            prefix in "[!#-~]{0,10}",
+            bad in any::<u8>().prop_filter("not visible ASCII", |b| !(0x21..=0x7e).contains(b)),
+            suffix in "[!-~]{1,10}",
+        ) {
+            prop_assume!(!prefix.starts_with('"') && !(prefix.is_empty() && (bad == b' ' || bad == b'\t')));
+            let mut raw = prefix.clone().into_bytes();
+            raw.push(bad);
+            raw.extend_from_slice(suffix.as_bytes());
+            prop_assert_eq!(
+                IdempotencyKey::parse(&raw, 255),
+                Err(KeyError::InvalidByte { byte: bad, offset: prefix.len() })
+            );
+        }
+    }
 }

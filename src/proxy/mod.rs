@@ -33,6 +33,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use tracing::{info, warn};
 
+use crate::cache::{Cached, ResponseCache};
 use crate::config::{Config, DerivedKey, KeyRequirement, OnStoreError, Route};
 use crate::idempotency::decision::retry_after_secs;
 use crate::idempotency::{
@@ -158,6 +159,7 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     waiters: Arc<Waiters>,
     renewer: Arc<Renewer>,
+    cache: Arc<ResponseCache>,
 }
 
 impl Proxy {
@@ -169,8 +171,10 @@ impl Proxy {
         metrics: Arc<Metrics>,
         waiters: Arc<Waiters>,
         renewer: Arc<Renewer>,
+        cache: Arc<ResponseCache>,
     ) -> Self {
         Proxy {
+            cache,
             config,
             store,
             upstream,
@@ -336,6 +340,15 @@ impl Proxy {
     /// The state machine's I/O: claim, decide, and execute or answer.
     async fn keyed(&self, k: &Keyed<'_>) -> Handled {
         let policy = &k.route.policy;
+        // A completion is immutable until it expires: a warm replica
+        // replays it without a round trip.
+        if let Some(c) = self.cache.get(&k.tenant, &k.key) {
+            if c.fingerprint == k.fingerprint {
+                let mut h = replay(Some(&c.response));
+                set_expires(&mut h.response, c.expires_at);
+                return h;
+            }
+        }
         let deadline = Instant::now() + policy.wait;
         let mut waiter = None;
         // A fenced write loses only when the record changed between our read
@@ -370,6 +383,14 @@ impl Proxy {
                 Decision::Replay => {
                     let mut h = replay(existing.response.as_ref());
                     set_expires(&mut h.response, existing.view.expires_at);
+                    if let Some(response) = existing.response {
+                        let cached = Cached {
+                            fingerprint: existing.view.fingerprint,
+                            response: Arc::new(response),
+                            expires_at: existing.view.expires_at,
+                        };
+                        self.cache.put(&k.tenant, &k.key, cached, existing.now);
+                    }
                     return h;
                 }
                 Decision::Conflict { lease_remaining } => {
@@ -623,7 +644,17 @@ impl Proxy {
             self.waiters.wake(id);
         }
         match result {
-            Ok(Some(expires)) => (Outcome::Claimed, Some(expires)),
+            Ok(Some(expires)) => {
+                let cached = Cached {
+                    fingerprint: k.fingerprint,
+                    response: Arc::new(stored),
+                    expires_at: expires,
+                };
+                // The database's clock is not at hand here; the TTL bounds
+                // any skew.
+                self.cache.put(&k.tenant, &k.key, cached, SystemTime::now());
+                (Outcome::Claimed, Some(expires))
+            }
             Ok(None) => {
                 warn!(
                     key = %k.key,

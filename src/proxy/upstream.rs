@@ -1,11 +1,18 @@
 //! The upstream client: pooled keep-alive connections, bounded connect and
 //! exchange times, and errors sorted by what they prove.
+//!
+//! An `https://` upstream is verified (chain and host name) against the
+//! system trust store plus `upstream.ca_file` (see [`crate::tls`]). A
+//! certificate that does not verify fails the connection before any request
+//! byte is written, so it is a [`UpstreamError::Connect`]: the claim is
+//! released and the client gets 502.
 
 use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -31,7 +38,7 @@ pub enum UpstreamError {
 /// The upstream as the proxy sees it.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, ProxyBody>,
+    client: Client<HttpsConnector<HttpConnector>, ProxyBody>,
     scheme: Scheme,
     authority: Authority,
     host_header: HeaderValue,
@@ -44,8 +51,8 @@ impl Upstream {
     pub fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
         let uri = &config.url;
         let scheme = uri.scheme().cloned().unwrap_or(Scheme::HTTP);
-        if scheme != Scheme::HTTP {
-            anyhow::bail!("upstream.url: only http:// upstreams are supported in this version");
+        if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
+            anyhow::bail!("upstream.url: only http:// and https:// upstreams are supported");
         }
         let authority = uri
             .authority()
@@ -56,7 +63,19 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
-        connector.enforce_http(true);
+        // The HTTPS connector below checks the scheme.
+        connector.enforce_http(false);
+        let tls = if scheme == Scheme::HTTPS {
+            crate::tls::upstream_client_config(config.ca_file.as_deref())?
+        } else {
+            // Never used: the base URL, hence every request, is http://.
+            crate::tls::client_config(rustls::RootCertStore::empty())?
+        };
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .timer(TokioTimer::new())
             .pool_timer(TokioTimer::new())

@@ -819,11 +819,20 @@ impl Store {
             let client = self.client().await?;
             let row = client
                 .query_opt(
-                    "DELETE FROM idempotency_records
-                      WHERE tenant_id = $1 AND idempotency_key = $2
-                        AND (state = 'in_flight' OR $3)
-                  RETURNING state",
-                    &[&tenant, &key, &force],
+                    // Replicas drop the key from their response caches and
+                    // wake its waiters.
+                    "WITH gone AS (
+                         DELETE FROM idempotency_records
+                          WHERE tenant_id = $1 AND idempotency_key = $2
+                            AND (state = 'in_flight' OR $3)
+                      RETURNING state)
+                     SELECT state, pg_notify('idemproxy_keys', $4) FROM gone",
+                    &[
+                        &tenant,
+                        &key,
+                        &force,
+                        &crate::waiters::raw_key_id(tenant, key),
+                    ],
                 )
                 .await?;
             Ok(row.map(|r| r.get(0)))

@@ -1,0 +1,296 @@
+//! A bounded in-process cache of completed responses.
+//!
+//! A completed record is immutable until it expires, so a replica may
+//! replay it from memory instead of reading it again: a replay on a warm
+//! replica then costs about what a pass-through costs. The cache is bounded
+//! in bytes (oldest entries leave first) and each entry lives until the
+//! earlier of the record's expiry and `response_cache_ttl`. The TTL bounds
+//! the one thing the cache could get wrong: an operator's manual release of
+//! a completed key (`keys release --force`). That release also sends a
+//! notification that every replica's listener turns into an invalidation,
+//! so in practice it takes effect at once; the TTL covers a listener that
+//! was disconnected at that moment.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::idempotency::{Fingerprint, IdempotencyKey, TenantId};
+use crate::store::StoredResponse;
+use crate::waiters::key_id;
+
+/// A cached completion.
+#[derive(Debug, Clone)]
+pub struct Cached {
+    /// Fingerprint of the request that completed the key.
+    pub fingerprint: Fingerprint,
+    /// The stored response.
+    pub response: Arc<StoredResponse>,
+    /// When the record expires (the database's clock).
+    pub expires_at: SystemTime,
+}
+
+struct Entry {
+    tenant: String,
+    key: String,
+    cached: Cached,
+    /// Local deadline: the TTL, or earlier if the record expires first.
+    until: Instant,
+    size: usize,
+    /// Distinguishes re-insertions of a key in the eviction queue.
+    generation: u64,
+}
+
+struct Inner {
+    /// By key id ([`crate::waiters::key_id`]): what a notification names.
+    map: HashMap<String, Entry>,
+    order: VecDeque<(String, u64)>,
+    bytes: usize,
+    generation: u64,
+}
+
+/// The cache. With a budget of 0 it holds nothing.
+pub struct ResponseCache {
+    inner: Mutex<Inner>,
+    max_bytes: usize,
+    ttl: Duration,
+}
+
+fn size_of(tenant: &str, key: &str, r: &StoredResponse) -> usize {
+    let headers: usize = r.headers.iter().map(|(n, v)| n.len() + v.len() + 32).sum();
+    tenant.len() + key.len() + headers + r.body.as_ref().map_or(0, |b| b.len()) + 128
+}
+
+impl ResponseCache {
+    /// A cache of at most `max_bytes`, entries at most `ttl` old.
+    pub fn new(max_bytes: u64, ttl: Duration) -> Self {
+        ResponseCache {
+            inner: Mutex::new(Inner {
+                map: HashMap::new(),
+                order: VecDeque::new(),
+                bytes: 0,
+                generation: 0,
+            }),
+            max_bytes: usize::try_from(max_bytes).unwrap_or(usize::MAX),
+            ttl,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The completion of `(tenant, key)`, if cached and still fresh.
+    pub fn get(&self, tenant: &TenantId, key: &IdempotencyKey) -> Option<Cached> {
+        if self.max_bytes == 0 {
+            return None;
+        }
+        let id = key_id(tenant, key);
+        let mut inner = self.lock();
+        let entry = inner.map.get(&id)?;
+        // The id is a digest: the entry must be this very tenant and key.
+        if entry.tenant != tenant.as_str() || entry.key != key.as_str() {
+            return None;
+        }
+        if Instant::now() < entry.until {
+            return Some(entry.cached.clone());
+        }
+        if let Some(e) = inner.map.remove(&id) {
+            inner.bytes -= e.size;
+        }
+        None
+    }
+
+    /// Remembers a completion. `now` is the database's clock at the time
+    /// `expires_at` was read, so the remaining lifetime is measured on one
+    /// clock.
+    pub fn put(&self, tenant: &TenantId, key: &IdempotencyKey, cached: Cached, now: SystemTime) {
+        let size = size_of(tenant.as_str(), key.as_str(), &cached.response);
+        if self.max_bytes == 0 || size > self.max_bytes / 4 {
+            // One entry may not crowd out the rest.
+            return;
+        }
+        let Ok(remaining) = cached.expires_at.duration_since(now) else {
+            return;
+        };
+        let until = Instant::now() + remaining.min(self.ttl);
+        let id = key_id(tenant, key);
+        let mut inner = self.lock();
+        inner.generation += 1;
+        let generation = inner.generation;
+        if let Some(old) = inner.map.insert(
+            id.clone(),
+            Entry {
+                tenant: tenant.as_str().to_owned(),
+                key: key.as_str().to_owned(),
+                cached,
+                until,
+                size,
+                generation,
+            },
+        ) {
+            inner.bytes -= old.size;
+        }
+        inner.bytes += size;
+        inner.order.push_back((id, generation));
+        while inner.bytes > self.max_bytes {
+            let Some((oldest, gen)) = inner.order.pop_front() else {
+                break;
+            };
+            // Skip queue entries of keys re-inserted or removed since.
+            if inner.map.get(&oldest).is_some_and(|e| e.generation == gen) {
+                if let Some(e) = inner.map.remove(&oldest) {
+                    inner.bytes -= e.size;
+                }
+            }
+        }
+        // Keep the queue from growing without bound on re-insertions.
+        if inner.order.len() > inner.map.len() * 2 + 64 {
+            let Inner { map, order, .. } = &mut *inner;
+            order.retain(|(id, gen)| map.get(id).is_some_and(|e| e.generation == *gen));
+        }
+    }
+
+    /// Drops the entry of a key id (its record changed elsewhere).
+    pub fn invalidate(&self, id: &str) {
+        let mut inner = self.lock();
+        if let Some(e) = inner.map.remove(id) {
+            inner.bytes -= e.size;
+        }
+    }
+
+    /// Drops everything (changes may have been missed).
+    pub fn clear(&self) {
+        let mut inner = self.lock();
+        inner.map.clear();
+        inner.order.clear();
+        inner.bytes = 0;
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.lock().map.len()
+    }
+
+    /// Whether the cache holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn key(s: &str) -> IdempotencyKey {
+        IdempotencyKey::parse(s.as_bytes(), 255).unwrap()
+    }
+
+    fn cached(body: usize, expires_in: Duration, now: SystemTime) -> Cached {
+        Cached {
+            fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
+            response: Arc::new(StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+                body: Some(Bytes::from(vec![b'x'; body])),
+            }),
+            expires_at: now + expires_in,
+        }
+    }
+
+    #[test]
+    fn a_cached_completion_is_returned_until_its_ttl() {
+        let c = ResponseCache::new(1 << 20, Duration::from_millis(50));
+        let now = SystemTime::now();
+        let t = TenantId::from_stored("acme");
+        c.put(&t, &key("k"), cached(10, Duration::from_secs(60), now), now);
+        assert!(c.get(&t, &key("k")).is_some());
+        assert!(
+            c.get(&TenantId::from_stored("other"), &key("k")).is_none(),
+            "tenants are separate"
+        );
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(c.get(&t, &key("k")).is_none());
+        assert_eq!(c.bytes(), 0);
+    }
+
+    #[test]
+    fn an_entry_never_outlives_its_record() {
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60));
+        let now = SystemTime::now();
+        let t = TenantId::none();
+        c.put(
+            &t,
+            &key("k"),
+            cached(10, Duration::from_millis(30), now),
+            now,
+        );
+        assert!(c.get(&t, &key("k")).is_some());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(c.get(&t, &key("k")).is_none());
+        // Already expired: not even stored.
+        c.put(
+            &t,
+            &key("old"),
+            cached(10, Duration::ZERO, now),
+            now + Duration::from_secs(1),
+        );
+        assert!(c.get(&t, &key("old")).is_none());
+    }
+
+    #[test]
+    fn the_byte_budget_evicts_oldest_first() {
+        let c = ResponseCache::new(4096, Duration::from_secs(60));
+        let now = SystemTime::now();
+        let t = TenantId::none();
+        for i in 0..20 {
+            c.put(
+                &t,
+                &key(&format!("k{i}")),
+                cached(500, Duration::from_secs(60), now),
+                now,
+            );
+            assert!(c.bytes() <= 4096);
+        }
+        assert!(c.get(&t, &key("k19")).is_some());
+        assert!(c.get(&t, &key("k0")).is_none());
+        // An entry larger than a quarter of the budget is not kept.
+        c.put(
+            &t,
+            &key("big"),
+            cached(2000, Duration::from_secs(60), now),
+            now,
+        );
+        assert!(c.get(&t, &key("big")).is_none());
+    }
+
+    #[test]
+    fn invalidation_by_key_id_drops_the_entry() {
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60));
+        let now = SystemTime::now();
+        let t = TenantId::from_stored("acme");
+        c.put(&t, &key("k"), cached(10, Duration::from_secs(60), now), now);
+        c.invalidate(&key_id(&t, &key("k")));
+        assert!(c.get(&t, &key("k")).is_none());
+        assert_eq!(c.bytes(), 0);
+    }
+
+    #[test]
+    fn a_zero_budget_holds_nothing() {
+        let c = ResponseCache::new(0, Duration::from_secs(60));
+        let now = SystemTime::now();
+        c.put(
+            &TenantId::none(),
+            &key("k"),
+            cached(1, Duration::from_secs(60), now),
+            now,
+        );
+        assert!(c.is_empty());
+    }
+}

@@ -1,0 +1,544 @@
+//! PostgreSQL over TLS, with libpq's `sslmode` semantics.
+//!
+//! `tokio-postgres` knows `sslmode=disable|prefer|require` and nothing about
+//! certificates; libpq users write `verify-ca`, `verify-full` and
+//! `sslrootcert` too. This module takes those parameters out of the database
+//! URL (or `key=value` string), hands the rest to `tokio-postgres`, and picks
+//! the connector:
+//!
+//! | `sslmode` | TLS | certificate check |
+//! |---|---|---|
+//! | `disable` | never | — |
+//! | `prefer` (the default, as in libpq) | if the server offers it | none |
+//! | `require` | always | none; chain only when a CA file is given (as libpq) |
+//! | `verify-ca` | always | chain, against the CA file or else the system store |
+//! | `verify-full` | always | chain and host name |
+//!
+//! The CA file is `store.ca_file`, or libpq's `sslrootcert` parameter in the
+//! URL (one of the two). `allow` is refused: it would try plaintext first.
+//!
+//! Unlike libpq, a failed TLS handshake under `prefer` does not fall back to
+//! plaintext; a server that rustls cannot talk to needs `sslmode=disable`.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, SignatureScheme};
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::Socket;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use super::StoreError;
+use crate::tls::{provider, root_store, Trust};
+
+/// libpq's `sslmode`, as far as idemproxy supports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SslMode {
+    /// No TLS.
+    Disable,
+    /// TLS when the server offers it, unverified.
+    Prefer,
+    /// TLS, verified only when a CA file is given.
+    Require,
+    /// TLS, chain verified.
+    VerifyCa,
+    /// TLS, chain and host name verified.
+    VerifyFull,
+}
+
+impl SslMode {
+    fn parse(value: &str) -> Result<Self, StoreError> {
+        Ok(match value {
+            "disable" => SslMode::Disable,
+            "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            "allow" => {
+                return Err(StoreError::Url(
+                    "sslmode=allow is not supported (it tries plaintext first); use prefer, require, verify-ca or verify-full".into(),
+                ))
+            }
+            other => {
+                return Err(StoreError::Url(format!(
+                    "invalid sslmode {other:?}: expected disable, prefer, require, verify-ca or verify-full"
+                )))
+            }
+        })
+    }
+}
+
+/// The stream of a connection made with [`Connection::tls`] (TLS or not,
+/// as the mode says).
+pub type TlsStream = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
+
+/// What `Store::new` needs to connect: the driver's configuration and the
+/// connector.
+pub struct Connection {
+    /// The parsed URL, without the parameters handled here, and with the
+    /// driver's `sslmode` set.
+    pub config: tokio_postgres::Config,
+    /// The TLS connector. Under `sslmode=disable` the driver never uses it;
+    /// it is there all the same so that every connection has one type.
+    pub tls: MakeRustlsConnect,
+    /// The mode in force.
+    pub mode: SslMode,
+}
+
+/// A database URL as understood here, before any file is read.
+#[derive(Debug)]
+pub struct ParsedUrl {
+    /// What the driver understands.
+    pub config: tokio_postgres::Config,
+    /// The `sslmode` (default `prefer`).
+    pub mode: SslMode,
+    /// libpq's `sslrootcert`, if given.
+    pub sslrootcert: Option<String>,
+}
+
+/// Parses a database URL or `key=value` string, libpq's TLS parameters
+/// included, without reading any file (for `check-config` as much as for
+/// the start). Error messages never contain the URL.
+pub fn parse_url(url: &str) -> Result<ParsedUrl, StoreError> {
+    let split = split_tls_params(url)?;
+    let config = tokio_postgres::Config::from_str(&split.rest)
+        .map_err(|e| StoreError::Url(super::redacted_parse_error(&e)))?;
+    let mode = match &split.sslmode {
+        Some(value) => SslMode::parse(value)?,
+        None => SslMode::Prefer,
+    };
+    Ok(ParsedUrl {
+        config,
+        mode,
+        sslrootcert: split.sslrootcert,
+    })
+}
+
+/// Parses the database URL and builds its TLS connector. `ca_file` is
+/// `store.ca_file`. Error messages never contain the URL.
+pub fn connection(url: &str, ca_file: Option<&Path>) -> Result<Connection, StoreError> {
+    let ParsedUrl {
+        config,
+        mode,
+        sslrootcert,
+    } = parse_url(url)?;
+    let ca = match (sslrootcert.as_deref(), ca_file) {
+        (Some(_), Some(_)) => {
+            return Err(StoreError::Url(
+                "both store.ca_file and the URL's sslrootcert name a CA file; keep one".into(),
+            ))
+        }
+        (Some(url_ca), None) => Some(PathBuf::from(url_ca)),
+        (None, file) => file.map(Path::to_path_buf),
+    };
+    let mut config = config;
+    let verifier: Arc<dyn ServerCertVerifier> = match mode {
+        SslMode::Disable => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            Arc::new(NoVerification(provider()))
+        }
+        SslMode::Prefer => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Prefer);
+            Arc::new(NoVerification(provider()))
+        }
+        SslMode::Require if ca.is_none() => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Require);
+            Arc::new(NoVerification(provider()))
+        }
+        SslMode::Require | SslMode::VerifyCa => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Require);
+            Arc::new(ChainOnly(webpki_verifier(ca.as_deref())?))
+        }
+        SslMode::VerifyFull => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Require);
+            webpki_verifier(ca.as_deref())?
+        }
+    };
+    let tls = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| StoreError::Url(format!("TLS set-up failed: {e}")))?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    Ok(Connection {
+        config,
+        tls: MakeRustlsConnect::new(tls),
+        mode,
+    })
+}
+
+fn webpki_verifier(ca: Option<&Path>) -> Result<Arc<WebPkiServerVerifier>, StoreError> {
+    let trust = match ca {
+        Some(path) => Trust::File(path),
+        None => Trust::System(None),
+    };
+    let roots = root_store("store.ca_file", trust).map_err(|e| StoreError::Url(e.to_string()))?;
+    WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .map_err(|e| StoreError::Url(format!("TLS set-up failed: {e}")))
+}
+
+/// The URL with `sslmode` and `sslrootcert` taken out.
+#[derive(Debug, PartialEq, Eq)]
+struct Split {
+    rest: String,
+    sslmode: Option<String>,
+    sslrootcert: Option<String>,
+}
+
+/// Takes `sslmode` and `sslrootcert` out of a `postgres://` URL's query or a
+/// `key=value` connection string, leaving everything else as written.
+fn split_tls_params(url: &str) -> Result<Split, StoreError> {
+    let mut split = Split {
+        rest: String::new(),
+        sslmode: None,
+        sslrootcert: None,
+    };
+    let is_url = url.trim_start().starts_with("postgres://")
+        || url.trim_start().starts_with("postgresql://");
+    if is_url {
+        let Some((base, query)) = url.split_once('?') else {
+            split.rest = url.to_owned();
+            return Ok(split);
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&') {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            match k {
+                "sslmode" => split.sslmode = Some(percent_decode(v)?),
+                "sslrootcert" => split.sslrootcert = Some(percent_decode(v)?),
+                _ => kept.push(pair),
+            }
+        }
+        split.rest = if kept.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        };
+        return Ok(split);
+    }
+    let mut kept = Vec::new();
+    for (key, raw, value) in conninfo_pairs(url)? {
+        match key.as_str() {
+            "sslmode" => split.sslmode = Some(value),
+            "sslrootcert" => split.sslrootcert = Some(value),
+            _ => kept.push(raw),
+        }
+    }
+    split.rest = kept.join(" ");
+    Ok(split)
+}
+
+/// `%XX` decoding of a URL query value.
+fn percent_decode(value: &str) -> Result<String, StoreError> {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| {
+                    StoreError::Url("invalid percent-encoding in the URL's TLS parameters".into())
+                })?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out)
+        .map_err(|_| StoreError::Url("the URL's TLS parameters are not UTF-8".into()))
+}
+
+/// The `key = value` pairs of a libpq connection string: (key, the pair as
+/// written, the unquoted value).
+fn conninfo_pairs(s: &str) -> Result<Vec<(String, String, String)>, StoreError> {
+    let malformed = || {
+        StoreError::Url("the key=value connection string is malformed (details withheld: it may contain the password)".into())
+    };
+    let chars: Vec<char> = s.chars().collect();
+    let mut pairs = Vec::new();
+    let mut i = 0;
+    loop {
+        while i < chars.len() && chars[i].is_whitespace() {
+            i += 1;
+        }
+        if i == chars.len() {
+            return Ok(pairs);
+        }
+        let start = i;
+        while i < chars.len() && chars[i] != '=' && !chars[i].is_whitespace() {
+            i += 1;
+        }
+        let key: String = chars[start..i].iter().collect();
+        while i < chars.len() && chars[i].is_whitespace() {
+            i += 1;
+        }
+        if key.is_empty() || chars.get(i) != Some(&'=') {
+            return Err(malformed());
+        }
+        i += 1;
+        while i < chars.len() && chars[i].is_whitespace() {
+            i += 1;
+        }
+        let mut value = String::new();
+        if chars.get(i) == Some(&'\'') {
+            i += 1;
+            loop {
+                match chars.get(i) {
+                    None => return Err(malformed()),
+                    Some('\'') => {
+                        i += 1;
+                        break;
+                    }
+                    Some('\\') => {
+                        value.push(*chars.get(i + 1).ok_or_else(malformed)?);
+                        i += 2;
+                    }
+                    Some(c) => {
+                        value.push(*c);
+                        i += 1;
+                    }
+                }
+            }
+        } else {
+            while i < chars.len() && !chars[i].is_whitespace() {
+                if chars[i] == '\\' {
+                    value.push(*chars.get(i + 1).ok_or_else(malformed)?);
+                    i += 2;
+                } else {
+                    value.push(chars[i]);
+                    i += 1;
+                }
+            }
+        }
+        let raw: String = chars[start..i].iter().collect();
+        pairs.push((key, raw, value));
+    }
+}
+
+/// Accepts any certificate (libpq's `prefer` and `require` without a CA
+/// file): the connection is encrypted against eavesdroppers but not
+/// authenticated. The handshake signatures are still checked, so the peer
+/// holds the key of the certificate it sent.
+#[derive(Debug)]
+struct NoVerification(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for NoVerification {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// libpq's `verify-ca`: the chain must lead to a trusted CA; the host name
+/// is not compared.
+#[derive(Debug)]
+struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(url: &str) -> Split {
+        split_tls_params(url).unwrap()
+    }
+
+    #[test]
+    fn url_tls_parameters_are_taken_out_and_the_rest_kept() {
+        let s = split("postgres://u:pw@db:5432/app?application_name=x&sslmode=verify-full&sslrootcert=%2Fetc%2Fca%20x.pem&connect_timeout=3");
+        assert_eq!(s.sslmode.as_deref(), Some("verify-full"));
+        assert_eq!(s.sslrootcert.as_deref(), Some("/etc/ca x.pem"));
+        assert_eq!(
+            s.rest,
+            "postgres://u:pw@db:5432/app?application_name=x&connect_timeout=3"
+        );
+        let s = split("postgresql://db/app?sslmode=require");
+        assert_eq!(s.rest, "postgresql://db/app");
+        assert_eq!(s.sslmode.as_deref(), Some("require"));
+        let s = split("postgres://db/app");
+        assert_eq!((s.rest.as_str(), s.sslmode), ("postgres://db/app", None));
+    }
+
+    #[test]
+    fn conninfo_tls_parameters_are_taken_out_and_quotes_understood() {
+        let s = split(
+            r"host=db user=u password='p w\'x' sslmode = verify-ca sslrootcert='/etc/my ca.pem' dbname=app",
+        );
+        assert_eq!(s.sslmode.as_deref(), Some("verify-ca"));
+        assert_eq!(s.sslrootcert.as_deref(), Some("/etc/my ca.pem"));
+        assert_eq!(s.rest, r"host=db user=u password='p w\'x' dbname=app");
+        assert!(tokio_postgres::Config::from_str(&s.rest).is_ok());
+    }
+
+    #[test]
+    fn malformed_conninfo_is_refused_without_echoing_it() {
+        for bad in [
+            "host=db password='secret",
+            "host",
+            "=x",
+            "host=db password=abc\\",
+        ] {
+            let err = split_tls_params(bad).unwrap_err().to_string();
+            assert!(!err.contains("secret") && !err.contains("abc"), "{err}");
+        }
+    }
+
+    #[test]
+    fn sslmodes_map_to_connectors() {
+        let plain = connection("postgres://db/app?sslmode=disable", None).unwrap();
+        assert_eq!(plain.mode, SslMode::Disable);
+        assert_eq!(
+            plain.config.get_ssl_mode(),
+            tokio_postgres::config::SslMode::Disable
+        );
+        for (url, mode) in [
+            ("postgres://db/app", SslMode::Prefer),
+            ("postgres://db/app?sslmode=prefer", SslMode::Prefer),
+            ("postgres://db/app?sslmode=require", SslMode::Require),
+            ("host=db sslmode=require", SslMode::Require),
+        ] {
+            let c = connection(url, None).unwrap();
+            assert_eq!(c.mode, mode, "{url}");
+        }
+        let prefer = connection("postgres://db/app", None).unwrap();
+        assert_eq!(
+            prefer.config.get_ssl_mode(),
+            tokio_postgres::config::SslMode::Prefer
+        );
+        let require = connection("postgres://db/app?sslmode=verify-ca", None);
+        // verify-ca without a CA file uses the system store, which may be
+        // empty on a minimal machine: then it is a clear error.
+        if let Ok(c) = require {
+            assert_eq!(
+                c.config.get_ssl_mode(),
+                tokio_postgres::config::SslMode::Require
+            );
+        }
+    }
+
+    #[test]
+    fn unsupported_or_invalid_sslmodes_are_refused() {
+        for url in [
+            "postgres://u:hunter2@db/app?sslmode=allow",
+            "postgres://u:hunter2@db/app?sslmode=bogus",
+        ] {
+            let err = connection(url, None).err().unwrap().to_string();
+            assert!(err.contains("sslmode"), "{err}");
+            assert!(!err.contains("hunter2"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_ca_file_twice_or_missing_is_refused() {
+        let err = connection(
+            "postgres://db/app?sslmode=verify-full&sslrootcert=/a.pem",
+            Some(Path::new("/b.pem")),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("keep one"), "{err}");
+        let err = connection(
+            "postgres://db/app?sslmode=verify-full",
+            Some(Path::new("/nonexistent/ca.pem")),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("store.ca_file") && err.contains("/nonexistent/ca.pem"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,78 @@
+//! The in-process cache of completed responses.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Harness, Setup};
+
+const PAY: &str = r#"{"amount": 100}"#;
+
+fn claim_statements(h: &Harness) -> f64 {
+    let m = h.running().metrics.render();
+    m.lines()
+        .find_map(|l| l.strip_prefix(r#"idemproxy_store_duration_seconds_count{op="claim"} "#))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+#[tokio::test]
+async fn warm_replays_are_served_without_a_database_round_trip() {
+    let h = Harness::start(Setup::default()).await;
+    let first = h.post("/v1/payments", "k-cached", PAY).await;
+    let before = claim_statements(&h);
+    for _ in 0..5 {
+        let r = h.post("/v1/payments", "k-cached", PAY).await;
+        assert!(r.replayed());
+        assert_eq!(r.body, first.body);
+        assert!(r.header("idempotency-key-expires").is_some());
+    }
+    assert_eq!(
+        claim_statements(&h),
+        before,
+        "no claim statement for cached replays"
+    );
+    // A different body is still a mismatch (answered by the database).
+    h.post("/v1/payments", "k-cached", r#"{"amount": 1}"#)
+        .await
+        .assert_problem(422, "key-reused");
+}
+
+#[tokio::test]
+async fn cache_can_be_turned_off() {
+    let h = Harness::start(Setup::default().store("response_cache = \"0\"\n")).await;
+    h.post("/v1/payments", "k-uncached", PAY).await;
+    let before = claim_statements(&h);
+    assert!(h.post("/v1/payments", "k-uncached", PAY).await.replayed());
+    assert_eq!(claim_statements(&h), before + 1.0);
+}
+
+#[tokio::test]
+async fn an_operators_forced_release_reaches_the_cache_of_every_replica() {
+    let h = Harness::start(Setup::default()).await;
+    let b = h.replica().await;
+    let b_url = format!("http://{}/v1/payments", b.proxy_addr);
+    let client = common::HttpClient::new();
+    let post_b = || client.send(common::Req::post(&b_url).key("k-forced").json(PAY));
+    h.post("/v1/payments", "k-forced", PAY).await;
+    // Warm both caches.
+    assert!(h.post("/v1/payments", "k-forced", PAY).await.replayed());
+    assert!(post_b().await.replayed());
+    let released = h.store().force_release("", "k-forced", true).await.unwrap();
+    assert_eq!(released.as_deref(), Some("completed"));
+    // The notification, not the TTL (60 s), drops it from both caches.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let r = post_b().await;
+        if !r.replayed() {
+            assert_eq!(r.status, 201);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica B still replays a released key"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(h.upstream.executions("k-forced"), 2);
+    b.shutdown().await;
+}
