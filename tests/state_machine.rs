@@ -634,3 +634,43 @@ async fn leases_of_many_slow_calls_are_renewed_together() {
         "{statements} statements for {renewed} renewals"
     );
 }
+
+/// The row's version and lock marks: a row lock or an update changes them.
+async fn row_marks(h: &Harness, key: &str) -> (String, String, String) {
+    let c = h.db.client().await;
+    let r = c
+        .query_one(
+            "SELECT xmin::text, xmax::text, ctid::text FROM idempotency_records WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    (r.get(0), r.get(1), r.get(2))
+}
+
+// DESIGN.md §1: a duplicate costs one round trip and writes nothing — no
+// new row version, no row lock (a lock would set xmax and force a commit
+// flush).
+#[tokio::test]
+async fn duplicates_take_no_row_lock_and_write_nothing() {
+    let h = Harness::start(Setup::default().store("response_cache = \"0\"\n")).await;
+    h.post("/v1/payments", "k-quiet", PAY).await;
+    let completed = row_marks(&h, "k-quiet").await;
+    for _ in 0..5 {
+        assert!(h.post("/v1/payments", "k-quiet", PAY).await.replayed());
+    }
+    h.post("/v1/payments", "k-quiet", r#"{"amount": 1}"#)
+        .await
+        .assert_problem(422, "key-reused");
+    assert_eq!(row_marks(&h, "k-quiet").await, completed);
+    assert_eq!(completed.1, "0", "never locked");
+
+    abandoned_claim(&h, "k-quiet-inflight", PAY, Duration::from_secs(30)).await;
+    let in_flight = row_marks(&h, "k-quiet-inflight").await;
+    for _ in 0..5 {
+        h.post("/v1/payments", "k-quiet-inflight", PAY)
+            .await
+            .assert_problem(409, "request-in-progress");
+    }
+    assert_eq!(row_marks(&h, "k-quiet-inflight").await, in_flight);
+}
