@@ -10,10 +10,10 @@ use std::time::SystemTime;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use sha2::{Digest, Sha256};
 
 use crate::app::{self, ServeOptions};
 use crate::config::{self, Config, Overrides, Secret};
+use crate::idempotency::TenantId;
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -180,7 +180,7 @@ pub struct KeyTarget {
 impl KeyTarget {
     fn stored_tenant(&self) -> String {
         if self.hash_tenant {
-            hex::encode(Sha256::digest(self.tenant.as_bytes()))
+            TenantId::hashed(self.tenant.as_bytes()).as_str().to_owned()
         } else {
             self.tenant.clone()
         }
@@ -258,7 +258,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let config = load_config(&common, Overrides::default())?;
             let store = Store::new(&config.store)?;
             let metrics = Metrics::new();
-            let n = crate::sweeper::sweep_once(&store, &metrics, config.sweeper.batch_size).await?;
+            let n = crate::sweeper::sweep_configured(&store, &metrics, &config.sweeper).await?;
             println!("deleted {n} expired record(s)");
             Ok(ExitCode::SUCCESS)
         }
@@ -364,7 +364,7 @@ async fn keys(command: KeysCommand) -> anyhow::Result<ExitCode> {
             });
             let tenant = tenant.map(|t| {
                 if hash_tenant {
-                    hex::encode(Sha256::digest(t.as_bytes()))
+                    TenantId::hashed(t.as_bytes()).as_str().to_owned()
                 } else {
                     t
                 }

@@ -133,6 +133,8 @@ pub struct SweeperConfig {
     pub interval: Duration,
     /// Rows deleted per statement (bounded batches keep transactions short).
     pub batch_size: u32,
+    /// Pause between the batches of a pass (paces a large backlog).
+    pub pause: Duration,
 }
 
 /// Whether a keyed route requires the key header.
@@ -409,6 +411,7 @@ response_cache_ttl = "60s"
 [sweeper]
 interval = "60s"
 batch_size = 1000
+pause = "0s"
 
 [defaults]
 key_header = "Idempotency-Key"
@@ -533,6 +536,9 @@ struct RawSweeper {
     interval: Option<Spanned<String>>,
     /// Rows deleted per statement (bounded batches keep transactions short); at least 1.
     batch_size: Option<Spanned<i64>>,
+    /// Pause between the batches of a pass, which paces the deletion of a
+    /// large backlog; 0 for none.
+    pause: Option<Spanned<String>>,
 }
 
 /// Declares the policy keys once. They make up `[defaults]` and are repeated,
@@ -560,7 +566,7 @@ macro_rules! policy_keys {
             tenant_header: Option<Spanned<String>>,
             /// A keyed request without the tenant header gets 400 (false: it is the empty tenant). Needs `tenant_header`.
             tenant_required: Option<Spanned<bool>>,
-            /// Store the SHA-256 of the tenant header value, never the value (for secrets such as `Authorization`). Needs `tenant_header`.
+            /// Store `sha256:` and the hex SHA-256 of the tenant header value, never the value (for secrets such as `Authorization`); plain tenants may not start with `sha256:`, so the two kinds never meet. Needs `tenant_header`.
             tenant_hash: Option<Spanned<bool>>,
             $( $(#[doc = $doc])* $key: Option<Spanned<$ty>>, )*
         }
@@ -1108,9 +1114,16 @@ impl<'a> Checker<'a> {
                     .and_then(|n| u32::try_from(n).ok())
             },
         );
+        let pause = self.get(
+            "sweeper.pause",
+            &raw.pause,
+            base.map(|b| b.pause),
+            Self::duration,
+        );
         Some(SweeperConfig {
             interval: interval?,
             batch_size: batch_size?,
+            pause: pause?,
         })
     }
 
@@ -1908,6 +1921,7 @@ tenant_hash = true                    # store SHA-256 of the value, never the se
         assert_eq!(config.store.on_store_error, OnStoreError::Reject);
         assert_eq!(config.sweeper.interval, secs(60));
         assert_eq!(config.sweeper.batch_size, 1000);
+        assert_eq!(config.sweeper.pause, Duration::ZERO);
         let policy = &config.routes[0].policy;
         assert_eq!(
             policy.key_header,
@@ -2558,13 +2572,40 @@ retention = \"0s\"
     }
 
     #[test]
+    fn sweeper_pause_is_a_duration_and_zero_means_none() {
+        let config = parse(
+            "[sweeper]\npause = \"20ms\"\n",
+            "p.toml",
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(config.sweeper.pause, Duration::from_millis(20));
+        let config = parse(
+            "[sweeper]\npause = \"0s\"\n",
+            "p.toml",
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(config.sweeper.pause, Duration::ZERO);
+        let err = parse(
+            "[sweeper]\npause = \"soon\"\n",
+            "p.toml",
+            &Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(err.problems.len(), 1, "{err}");
+        assert_eq!(err.problems[0].key, "sweeper.pause");
+        assert_eq!(err.problems[0].line, Some(2));
+    }
+
+    #[test]
     fn raw_structs_have_the_expected_keys() {
         let keys = every_key();
         assert!(keys.contains(&("server", "header_read_timeout")));
         assert!(keys.contains(&("sweeper", "batch_size")));
         assert!(keys.contains(&("route", "name")));
         assert!(keys.contains(&("defaults", "wait")));
-        assert_eq!(keys.len(), 8 + 4 + 7 + 2 + 12 + 5);
+        assert_eq!(keys.len(), 8 + 4 + 7 + 3 + 12 + 5);
     }
 
     #[test]

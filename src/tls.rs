@@ -171,12 +171,27 @@ pub fn server_acceptor(files: &TlsFiles) -> Result<TlsAcceptor, TlsError> {
 mod tests {
     use super::*;
 
-    fn temp(name: &str, contents: &[u8]) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("idemproxy-tls-unit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(name);
+    /// A file that is removed when dropped.
+    struct TempFile(PathBuf);
+
+    impl std::ops::Deref for TempFile {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn temp(name: &str, contents: &[u8]) -> TempFile {
+        let path =
+            std::env::temp_dir().join(format!("idemproxy-tls-unit-{}-{name}", std::process::id()));
         std::fs::write(&path, contents).unwrap();
-        path
+        TempFile(path)
     }
 
     #[test]

@@ -5,12 +5,17 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-/// Longest tenant value stored as is (hashed tenants are always 64 hex chars).
+/// Longest tenant value stored as is.
 pub const MAX_TENANT_LEN: usize = 255;
 
-/// The tenant a record belongs to, as stored: the header value itself, or the
-/// hex SHA-256 of it on `tenant_hash` routes (so a secret such as an
-/// `Authorization` value never reaches the database). The empty tenant is
+/// Prefix of hashed tenants as stored. Plain tenants may not start with it,
+/// so the two kinds never share a name: a client cannot reach a hashed
+/// tenant's records by sending its digest as a plain tenant.
+pub const HASHED_PREFIX: &str = "sha256:";
+
+/// The tenant a record belongs to, as stored: the header value itself, or
+/// `sha256:` and the hex SHA-256 of it on `tenant_hash` routes (so a secret
+/// such as an `Authorization` value never reaches the database). The empty tenant is
 /// used where a route names no tenant header, or it is optional and absent.
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
 pub struct TenantId(String);
@@ -31,7 +36,7 @@ pub enum TenantError {
         header: String,
     },
     /// Not printable ASCII, or too long, on a route that stores it as is.
-    #[error("the tenant header {header} must be 1 to {MAX_TENANT_LEN} bytes of visible ASCII")]
+    #[error("the tenant header {header} must be 1 to {MAX_TENANT_LEN} bytes of visible ASCII, not starting with \"{HASHED_PREFIX}\"")]
     Invalid {
         /// The route's tenant header.
         header: String,
@@ -56,11 +61,12 @@ impl TenantId {
                 header: header.to_owned(),
             }),
             [] => Ok(TenantId::none()),
-            [value] if hash => Ok(TenantId(hex::encode(Sha256::digest(value)))),
+            [value] if hash => Ok(TenantId::hashed(value)),
             [value] => {
                 let ok = !value.is_empty()
                     && value.len() <= MAX_TENANT_LEN
-                    && value.iter().all(|b| (0x20..=0x7e).contains(b));
+                    && value.iter().all(|b| (0x20..=0x7e).contains(b))
+                    && !value.starts_with(HASHED_PREFIX.as_bytes());
                 match std::str::from_utf8(value) {
                     Ok(s) if ok => Ok(TenantId(s.to_owned())),
                     _ => Err(TenantError::Invalid {
@@ -72,6 +78,14 @@ impl TenantId {
                 header: header.to_owned(),
             }),
         }
+    }
+
+    /// The stored form of a `tenant_hash` header value.
+    pub fn hashed(value: &[u8]) -> Self {
+        TenantId(format!(
+            "{HASHED_PREFIX}{}",
+            hex::encode(Sha256::digest(value))
+        ))
     }
 
     /// Wraps a tenant as stored (from the database or an operator's flag).
@@ -132,9 +146,12 @@ mod tests {
     #[test]
     fn hashed_tenant_stores_only_the_sha256_hex() {
         let t = TenantId::from_header("Authorization", &[b"Bearer s3cret"], true, true).unwrap();
-        assert_eq!(t.as_str().len(), 64);
+        assert_eq!(t.as_str().len(), HASHED_PREFIX.len() + 64);
         assert!(!t.as_str().contains("s3cret"));
-        assert_eq!(t.as_str(), hex::encode(Sha256::digest(b"Bearer s3cret")));
+        assert_eq!(
+            t.as_str(),
+            format!("sha256:{}", hex::encode(Sha256::digest(b"Bearer s3cret")))
+        );
     }
 
     #[test]
@@ -150,6 +167,9 @@ mod tests {
                 Err(TenantError::Invalid { .. })
             ));
         }
+        // A plain tenant cannot pose as a hashed one.
+        let posing = format!("sha256:{}", hex::encode(Sha256::digest(b"x")));
+        assert!(TenantId::from_header("X-Tenant", &[posing.as_bytes()], false, false).is_err());
         let long = vec![b'a'; MAX_TENANT_LEN + 1];
         assert!(TenantId::from_header("X-Tenant", &[&long], false, false).is_err());
     }
