@@ -1,0 +1,83 @@
+# syntax=docker/dockerfile:1
+#
+# idemproxy: a static binary on an empty (`scratch`) base. The image holds
+# two programs: /usr/local/bin/idemproxy (the entrypoint) and
+# /usr/local/bin/sample-upstream (a counting stand-in for a legacy API, used
+# by deploy/compose). No shell, no package manager, no libc.
+#
+# Two ways to get the binaries (docs/deploy.md has the details):
+#
+#   # 1. compile them in a Rust image (needs BuildKit and network access):
+#   docker build -t idemproxy .
+#
+#   # 2. package binaries built on the host (no base image is pulled):
+#   CC_x86_64_unknown_linux_musl=musl-gcc \
+#     cargo build --locked --profile dist --target x86_64-unknown-linux-musl --bins
+#   mkdir -p dist
+#   cp target/x86_64-unknown-linux-musl/dist/idemproxy \
+#      target/x86_64-unknown-linux-musl/dist/sample-upstream dist/
+#   cp /etc/ssl/certs/ca-certificates.crt dist/
+#   docker build --build-arg BINARY_SOURCE=prebuilt -t idemproxy .
+#
+# BINARY_SOURCE names the stage whose /out/ holds idemproxy, sample-upstream
+# and ca-certificates.crt. Builders that skip unused stages (BuildKit,
+# buildah) then never touch the other one.
+
+ARG RUST_VERSION=1.95
+ARG BINARY_SOURCE=builder
+
+# ---------------------------------------------------------------------------
+# builder: compiles static (musl) binaries. musl-tools gives the C compiler
+# (musl-gcc) that crates with C or assembly parts, such as ring, use for
+# that target.
+FROM docker.io/library/rust:${RUST_VERSION}-slim-bookworm AS builder
+ARG TARGET=x86_64-unknown-linux-musl
+ENV CC_x86_64_unknown_linux_musl=musl-gcc
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends musl-tools \
+    && rm -rf /var/lib/apt/lists/* \
+    && rustup target add "${TARGET}"
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --locked --profile dist --target "${TARGET}" --bins \
+    && mkdir -p /out \
+    && cp "target/${TARGET}/dist/idemproxy" "target/${TARGET}/dist/sample-upstream" \
+          /etc/ssl/certs/ca-certificates.crt /out/
+
+# ---------------------------------------------------------------------------
+# prebuilt: binaries built elsewhere, taken from the build context.
+FROM scratch AS prebuilt
+ARG DIST_DIR=dist
+COPY ${DIST_DIR}/idemproxy ${DIST_DIR}/sample-upstream ${DIST_DIR}/ca-certificates.crt /out/
+
+# ---------------------------------------------------------------------------
+FROM ${BINARY_SOURCE} AS binaries
+
+# ---------------------------------------------------------------------------
+# runtime
+FROM scratch
+# Set by whoever builds a release: the git commit and an RFC 3339 time.
+ARG VERSION=0.1.0
+ARG REVISION=""
+ARG CREATED=""
+LABEL org.opencontainers.image.title="idemproxy" \
+      org.opencontainers.image.description="Reverse-proxy sidecar that makes non-idempotent HTTP APIs safe to retry with Idempotency-Key" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}"
+# Trust anchors for TLS to the database or an https:// upstream.
+COPY --from=binaries /out/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
+COPY --from=binaries /out/idemproxy /out/sample-upstream /usr/local/bin/
+# Numeric, so Kubernetes' runAsNonRoot can verify it without an /etc/passwd.
+USER 65532:65532
+# 8080: the proxy; 9090: /healthz, /readyz, /metrics (when admin_listen
+# binds a non-loopback address, as deploy/ does).
+EXPOSE 8080 9090
+ENTRYPOINT ["/usr/local/bin/idemproxy"]
+# The configuration comes from IDEMPROXY_CONFIG (or --config) and the
+# database URL from IDEMPROXY_DATABASE_URL.
+CMD ["serve"]
