@@ -9,8 +9,8 @@
 //! matches. A body that claims to be JSON but does not parse is hashed as
 //! raw bytes.
 
+use std::collections::BTreeMap;
 use std::fmt;
-use std::io::Write;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -112,54 +112,144 @@ pub fn is_json_content_type(content_type: Option<&[u8]>) -> bool {
 /// The canonical form of a JSON document, or `None` if it does not parse.
 ///
 /// Object keys are sorted by their bytes, insignificant whitespace removed,
-/// strings re-escaped the one way serde_json writes them, and numbers kept as
-/// their exact source text (serde_json's `arbitrary_precision`), except that
-/// an exponent is written `e` with an explicit sign: `1E0`, `1e0` and `1e+0`
-/// are one request, while `1`, `1.0` and `1e0` are three. If an object
-/// repeats a key, the last value wins, as in most JSON parsers.
+/// strings re-escaped the one way serde_json writes them (`"\u0041"` and
+/// `"A"` are one string), and numbers copied as their exact source text:
+/// `1`, `1.0`, `1e0` and `1E0` are four different requests, as the bytes
+/// say. If an object repeats a key, the last value wins, as in most JSON
+/// parsers.
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    let value: Value = serde_json::from_slice(body).ok()?;
+    // serde_json decides what is JSON (grammar, UTF-8, escapes, depth); the
+    // walk below then only ever sees valid documents.
+    serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
+    let mut walker = Walker { src: body, at: 0 };
     let mut out = Vec::with_capacity(body.len());
-    write_canonical(&mut out, &value);
-    Some(out)
+    walker.value(&mut out, 0)?;
+    walker.skip_ws();
+    (walker.at == body.len()).then_some(out)
 }
 
-fn write_canonical(out: &mut Vec<u8>, value: &Value) {
-    match value {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(true) => out.extend_from_slice(b"true"),
-        Value::Bool(false) => out.extend_from_slice(b"false"),
-        // With `arbitrary_precision` a number displays as its source text.
-        Value::Number(n) => {
-            let _ = write!(out, "{n}");
+/// Nesting deeper than this is not canonicalised (serde_json refuses it
+/// first; this keeps the walk's recursion bounded on its own).
+const MAX_DEPTH: usize = 128;
+
+/// A cursor over a document serde_json has already validated.
+struct Walker<'a> {
+    src: &'a [u8],
+    at: usize,
+}
+
+impl Walker<'_> {
+    fn skip_ws(&mut self) {
+        while matches!(self.src.get(self.at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.at += 1;
         }
-        Value::String(s) => write_string(out, s),
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical(out, item);
+    }
+
+    fn eat(&mut self, byte: u8) -> bool {
+        self.skip_ws();
+        if self.src.get(self.at) == Some(&byte) {
+            self.at += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn value(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.skip_ws();
+        match *self.src.get(self.at)? {
+            b'{' => self.object(out, depth),
+            b'[' => self.array(out, depth),
+            b'"' => {
+                let s = self.string()?;
+                write_string(out, &s);
+                Some(())
             }
-            out.push(b']');
-        }
-        Value::Object(map) => {
-            // Sort explicitly: the map's own order depends on serde_json
-            // features another crate in the build may turn on.
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push(b'{');
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
+            _ => {
+                // Numbers and literals: copied verbatim.
+                let start = self.at;
+                while matches!(
+                    self.src.get(self.at),
+                    Some(b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E' | b'a'..=b'z')
+                ) {
+                    self.at += 1;
                 }
-                write_string(out, k);
-                out.push(b':');
-                write_canonical(out, v);
+                (self.at > start).then(|| out.extend_from_slice(&self.src[start..self.at]))
             }
-            out.push(b'}');
         }
+    }
+
+    /// A string token, decoded.
+    fn string(&mut self) -> Option<String> {
+        let start = self.at;
+        self.at += 1;
+        loop {
+            match *self.src.get(self.at)? {
+                b'\\' => self.at += 2,
+                b'"' => break,
+                _ => self.at += 1,
+            }
+        }
+        self.at += 1;
+        serde_json::from_slice(&self.src[start..self.at]).ok()
+    }
+
+    fn array(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+        self.at += 1;
+        out.push(b'[');
+        if !self.eat(b']') {
+            loop {
+                self.value(out, depth + 1)?;
+                if self.eat(b']') {
+                    break;
+                }
+                if !self.eat(b',') {
+                    return None;
+                }
+                out.push(b',');
+            }
+        }
+        out.push(b']');
+        Some(())
+    }
+
+    fn object(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+        self.at += 1;
+        // Sorted by key bytes (UTF-8 order is byte order); a repeated key
+        // keeps its last value.
+        let mut members: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        if !self.eat(b'}') {
+            loop {
+                self.skip_ws();
+                let key = self.string()?;
+                if !self.eat(b':') {
+                    return None;
+                }
+                let mut value = Vec::new();
+                self.value(&mut value, depth + 1)?;
+                members.insert(key, value);
+                if self.eat(b'}') {
+                    break;
+                }
+                if !self.eat(b',') {
+                    return None;
+                }
+            }
+        }
+        out.push(b'{');
+        for (i, (key, value)) in members.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            write_string(out, key);
+            out.push(b':');
+            out.extend_from_slice(value);
+        }
+        out.push(b'}');
+        Some(())
     }
 }
 
@@ -465,42 +555,39 @@ mod tests {
         out
     }
 
-    /// The one rewrite serde_json's `arbitrary_precision` makes to number
-    /// text: the exponent marker becomes `e` with an explicit sign (`1E0`
-    /// and `1e0` are both kept as `1e+0`). Every other byte is kept.
-    fn exponent_spelled_out(n: &str) -> String {
-        match n.find(['e', 'E']) {
-            None => n.to_string(),
-            Some(i) => {
-                let (mantissa, exponent) = (&n[..i], &n[i + 1..]);
-                let signed = if exponent.starts_with(['+', '-']) {
-                    exponent.to_string()
-                } else {
-                    format!("+{exponent}")
-                };
-                format!("{mantissa}e{signed}")
-            }
-        }
-    }
-
     #[test]
-    fn exponent_marker_spelling_is_normalised() {
-        // Documented limitation (see RELIABILITY.md): these are one request.
-        for n in ["1e0", "1E0", "1e+0", "1E+0"] {
-            assert_eq!(
-                canonical_json(format!("[{n}]").as_bytes()).unwrap(),
-                b"[1e+0]"
-            );
-        }
-        // …while 1, 1.0 and 1e0 stay three.
-        let forms: Vec<_> = ["1", "1.0", "1e0", "10e-1", "0.1e1"]
+    fn number_text_is_kept_exactly_exponents_included() {
+        // As the bytes say: every spelling is its own request.
+        let forms: Vec<_> = ["1", "1.0", "1e0", "1E0", "1e+0", "1E+0", "10e-1", "0.1e1"]
             .iter()
-            .map(|n| canonical_json(format!("[{n}]").as_bytes()).unwrap())
+            .map(|n| canonical_json(format!("[ {n} ]").as_bytes()).unwrap())
             .collect();
         for (i, a) in forms.iter().enumerate() {
             for b in &forms[i + 1..] {
                 assert_ne!(a, b);
             }
+        }
+        assert_eq!(canonical_json(b"[ 1E+0 ]").unwrap(), b"[1E+0]");
+    }
+
+    #[test]
+    fn repeated_keys_keep_the_last_value_and_invalid_documents_are_refused() {
+        assert_eq!(canonical_json(br#"{"a":1,"a":2}"#).unwrap(), br#"{"a":2}"#);
+        for bad in [
+            &b"{"[..],
+            b"[1,]",
+            b"{\"a\" 1}",
+            b"01",
+            b"nul",
+            b"[1] x",
+            b"\"\\ud800\"",
+        ] {
+            assert_eq!(
+                canonical_json(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
     }
 
@@ -510,14 +597,14 @@ mod tests {
             let doc = format!("{{\"n\": [ {n} ]}}");
             prop_assert_eq!(
                 String::from_utf8(canonical_json(doc.as_bytes()).unwrap()).unwrap(),
-                format!("{{\"n\":[{}]}}", exponent_spelled_out(&n))
+                format!("{{\"n\":[{n}]}}")
             );
         }
 
         #[test]
         fn numbers_that_differ_as_text_are_different_requests(a in number_text(), b in number_text()) {
             // Equal in value (1, 1.0, 1e0) but not in text: still different.
-            let same = exponent_spelled_out(&a) == exponent_spelled_out(&b);
+            let same = a == b;
             let ca = canonical_json(format!("[{a}]").as_bytes()).unwrap();
             let cb = canonical_json(format!("[{b}]").as_bytes()).unwrap();
             prop_assert_eq!(same, ca == cb);
