@@ -12,7 +12,6 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// How a request body is fed into the fingerprint.
@@ -262,6 +261,7 @@ fn write_string(out: &mut Vec<u8>, s: &str) {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use serde_json::Value;
 
     const JSON: Option<&[u8]> = Some(b"application/json");
 
