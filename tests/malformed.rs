@@ -220,7 +220,7 @@ async fn headers_sent_slowly_are_cut_off_at_header_read_timeout() {
     let h = harness().await;
     let head = b"POST /v1/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-slow\r\nX-Drip: ";
     let drip: Vec<&[u8]> = std::iter::once(&head[..])
-        .chain(std::iter::repeat(&b"z"[..]).take(40))
+        .chain(std::iter::repeat_n(&b"z"[..], 40))
         .collect();
     // 40 bytes, one every 100 ms: 4 s of headers against a 1 s limit.
     let r = exchange(
