@@ -2,7 +2,10 @@
 //!
 //! A completed record is immutable until it expires, so a replica may
 //! replay it from memory instead of reading it again: a replay on a warm
-//! replica then costs about what a pass-through costs. The cache is bounded
+//! replica then costs about what a pass-through costs. Keys enter the cache
+//! on their first replay (read from the database), not on completion: most
+//! keys are never retried, and caching every completion would churn memory
+//! under a stream of new keys for nothing. The cache is bounded
 //! in bytes (oldest entries leave first) and each entry lives until the
 //! earlier of the record's expiry and `response_cache_ttl`. The TTL bounds
 //! the one thing the cache could get wrong: an operator's manual release of
@@ -56,9 +59,12 @@ pub struct ResponseCache {
     ttl: Duration,
 }
 
+/// What an entry costs in memory, allocator overhead included: the bytes,
+/// plus per allocation (each header name and value, tenant, key, the key id
+/// twice, the response, the map and queue slots) a measured allowance.
 fn size_of(tenant: &str, key: &str, r: &StoredResponse) -> usize {
-    let headers: usize = r.headers.iter().map(|(n, v)| n.len() + v.len() + 32).sum();
-    tenant.len() + key.len() + headers + r.body.as_ref().map_or(0, |b| b.len()) + 128
+    let headers: usize = r.headers.iter().map(|(n, v)| n.len() + v.len() + 96).sum();
+    tenant.len() + key.len() + headers + r.body.as_ref().map_or(0, |b| b.len()) + 512
 }
 
 impl ResponseCache {
@@ -246,25 +252,25 @@ mod tests {
 
     #[test]
     fn the_byte_budget_evicts_oldest_first() {
-        let c = ResponseCache::new(4096, Duration::from_secs(60));
+        let c = ResponseCache::new(16 * 1024, Duration::from_secs(60));
         let now = SystemTime::now();
         let t = TenantId::none();
-        for i in 0..20 {
+        for i in 0..40 {
             c.put(
                 &t,
                 &key(&format!("k{i}")),
                 cached(500, Duration::from_secs(60), now),
                 now,
             );
-            assert!(c.bytes() <= 4096);
+            assert!(c.bytes() <= 16 * 1024);
         }
-        assert!(c.get(&t, &key("k19")).is_some());
+        assert!(c.get(&t, &key("k39")).is_some());
         assert!(c.get(&t, &key("k0")).is_none());
         // An entry larger than a quarter of the budget is not kept.
         c.put(
             &t,
             &key("big"),
-            cached(2000, Duration::from_secs(60), now),
+            cached(5000, Duration::from_secs(60), now),
             now,
         );
         assert!(c.get(&t, &key("big")).is_none());

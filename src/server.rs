@@ -55,6 +55,11 @@ impl Handler for Proxy {
         // the lease stays renewed and the response is stored, so the
         // client's retry replays it instead of taking over an abandoned
         // claim and executing the request a second time.
+        // Pass-through requests own nothing: they run inline, sparing the
+        // hot path a task per request.
+        if !self.may_claim(&req) {
+            return self.handle(req, client).await;
+        }
         match tokio::spawn(async move { self.handle(req, client).await }).await {
             Ok(response) => response,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),

@@ -184,6 +184,15 @@ impl Proxy {
         }
     }
 
+    /// Whether a request may end up owning a claim: a keyed method on a
+    /// route, carrying the key header. Cheap: headers only.
+    pub fn may_claim<B>(&self, req: &Request<B>) -> bool {
+        self.config.route_for(req.uri().path()).is_some_and(|r| {
+            r.policy.methods.contains(req.method())
+                && req.headers().contains_key(&r.policy.key_header)
+        })
+    }
+
     /// Handles one request.
     pub async fn handle(&self, req: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
         let started = Instant::now();
@@ -644,17 +653,9 @@ impl Proxy {
             self.waiters.wake(id);
         }
         match result {
-            Ok(Some(expires)) => {
-                let cached = Cached {
-                    fingerprint: k.fingerprint,
-                    response: Arc::new(stored),
-                    expires_at: expires,
-                };
-                // The database's clock is not at hand here; the TTL bounds
-                // any skew.
-                self.cache.put(&k.tenant, &k.key, cached, SystemTime::now());
-                (Outcome::Claimed, Some(expires))
-            }
+            // Not cached here: most keys are never retried. A key enters
+            // the cache on its first replay, read from the database.
+            Ok(Some(expires)) => (Outcome::Claimed, Some(expires)),
             Ok(None) => {
                 warn!(
                     key = %k.key,
