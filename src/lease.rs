@@ -9,12 +9,13 @@
 //!
 //! Renewal runs beside the upstream call, never between its polls, so a
 //! slow database never delays a response. A claim leaves the renewer when
-//! its call ends, and calls are bounded by the upstream timeout. A renewal
+//! its response is stored (or, if its outcome is unknown, when its call
+//! ends: such a claim is left to expire), and calls are bounded by the
+//! upstream timeout. A renewal
 //! that finds the lease lost stops renewing it but does not abort the call:
 //! aborting would only make its outcome unknown.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -55,20 +56,20 @@ pub struct Renewer {
 }
 
 /// A claim held by the renewer; leaves it on drop.
-pub struct Renewal<'a> {
-    renewer: &'a Renewer,
+pub struct Renewal {
+    renewer: Arc<Renewer>,
     id: u64,
     lost: Arc<AtomicBool>,
 }
 
-impl Renewal<'_> {
+impl Renewal {
     /// Whether a renewal found the lease lost.
     pub fn lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
     }
 }
 
-impl Drop for Renewal<'_> {
+impl Drop for Renewal {
     fn drop(&mut self) {
         self.renewer.lock().remove(&self.id);
     }
@@ -92,12 +93,12 @@ impl Renewer {
 
     /// Keeps a claim alive until the returned guard is dropped.
     pub fn hold(
-        &self,
+        self: &Arc<Self>,
         tenant: &TenantId,
         key: &IdempotencyKey,
         owner: OwnerToken,
         lease: Duration,
-    ) -> Renewal<'_> {
+    ) -> Renewal {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let lost = Arc::new(AtomicBool::new(false));
         self.lock().insert(
@@ -115,25 +116,10 @@ impl Renewer {
             },
         );
         Renewal {
-            renewer: self,
+            renewer: self.clone(),
             id,
             lost,
         }
-    }
-
-    /// Runs `fut` while the claim is kept alive; returns its output and
-    /// whether the lease was found lost meanwhile.
-    pub async fn renew_while<F: Future>(
-        &self,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
-        owner: OwnerToken,
-        lease: Duration,
-        fut: F,
-    ) -> (F::Output, bool) {
-        let renewal = self.hold(tenant, key, owner, lease);
-        let out = fut.await;
-        (out, renewal.lost())
     }
 
     /// Claims currently held.

@@ -40,7 +40,7 @@ use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, Settlement, TenantError,
     TenantId, UpstreamOutcome,
 };
-use crate::lease::Renewer;
+use crate::lease::{Renewal, Renewer};
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{Claim, ClaimResult, Replace, Store, StoreError, StoredResponse};
 use crate::waiters::{WaitGuard, Waiters};
@@ -542,15 +542,24 @@ impl Proxy {
             }
         };
         let started = Instant::now();
-        let (result, _lost) = self
+        // The lease is renewed while the call is in flight and on until the
+        // response is stored: an owner holding the answer must not lose its
+        // key to a retry because the database was slow to take it.
+        let renewal = self
             .renewer
-            .renew_while(&k.tenant, &k.key, claim.owner, policy.lease, bounded)
-            .await;
+            .hold(&k.tenant, &k.key, claim.owner, policy.lease);
+        let result = bounded.await;
         let elapsed = started.elapsed();
         self.metrics.upstream(elapsed);
         k.timings
             .upstream_us
             .store(elapsed.as_micros() as u64, Ordering::Relaxed);
+        // Unless a response is to be stored, renewal ends with the call: a
+        // claim of unknown outcome is left to expire.
+        let renewal = match &result {
+            Ok(Exchanged::Whole(..) | Exchanged::TooLarge(..)) => Some(renewal),
+            _ => None,
+        };
         let mut handled = match result {
             Err(UpstreamError::Connect(e)) => {
                 // settle(NotSent) == Release: the request never left.
@@ -595,7 +604,7 @@ impl Proxy {
                     headers: headers::capture(&parts.headers),
                     body: Some(body.clone()),
                 };
-                let (outcome, expires) = self.complete(k, claim, stored).await;
+                let (outcome, expires) = self.complete(k, claim, stored, renewal).await;
                 let mut resp = response_from(parts, full(body));
                 if let Some(at) = expires {
                     set_expires(&mut resp, at);
@@ -614,7 +623,7 @@ impl Proxy {
                     headers: headers::capture(&parts.headers),
                     body: None,
                 };
-                let (outcome, _) = self.complete(k, claim, stored).await;
+                let (outcome, _) = self.complete(k, claim, stored, renewal).await;
                 let body = PrefixedBody {
                     prefix: Some(prefix),
                     rest,
@@ -626,12 +635,15 @@ impl Proxy {
         handled
     }
 
-    /// Stores the response, fenced by our owner token.
+    /// Stores the response, fenced by our owner token. `renewal` keeps the
+    /// lease alive until the response is stored (in the background, if the
+    /// first attempt fails).
     async fn complete(
         &self,
         k: &Keyed<'_>,
         claim: Claim,
         stored: StoredResponse,
+        renewal: Option<Renewal>,
     ) -> (Outcome, Option<SystemTime>) {
         let retention = k.route.policy.retention;
         let wait_id = k.notifies().then(|| k.wait_id());
@@ -674,6 +686,7 @@ impl Proxy {
                     stored,
                     retention,
                     wait_id,
+                    renewal,
                 );
                 (Outcome::Claimed, None)
             }
@@ -900,6 +913,7 @@ async fn read_limited(resp: Response<Incoming>, limit: u64) -> Result<Exchanged,
 /// Retries a failed completion in the background: the response is the
 /// truth of what the upstream did, and a completed record is what stops a
 /// second execution once the lease runs out.
+#[allow(clippy::too_many_arguments)]
 fn spawn_completion_retry(
     store: Store,
     tenant: TenantId,
@@ -908,8 +922,12 @@ fn spawn_completion_retry(
     stored: StoredResponse,
     retention: Duration,
     wait_id: Option<String>,
+    renewal: Option<Renewal>,
 ) {
     tokio::spawn(async move {
+        // Renewed meanwhile: the first statement to land once the database
+        // is back keeps the key ours.
+        let _renewal = renewal;
         let mut delay = Duration::from_millis(100);
         let deadline = Instant::now() + Duration::from_secs(300);
         while Instant::now() < deadline {
@@ -935,7 +953,7 @@ fn spawn_completion_retry(
                 }
                 Err(e) => {
                     tracing::debug!(key = %key, error = %e, "completion retry failed");
-                    delay = (delay * 2).min(Duration::from_secs(5));
+                    delay = (delay * 2).min(Duration::from_secs(1));
                 }
             }
         }
