@@ -438,7 +438,10 @@ async fn invalid_utf8_in_a_plain_tenant_header_is_400_and_hashed_tenants_take_an
     );
     let digest = {
         use sha2::{Digest, Sha256};
-        format!("sha256:{}", hex::encode(Sha256::digest(b"Bearer \xff\xfe\x80")))
+        format!(
+            "sha256:{}",
+            hex::encode(Sha256::digest(b"Bearer \xff\xfe\x80"))
+        )
     };
     assert_eq!(
         h.record_state(&digest, "k-tenant").await,
