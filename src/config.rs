@@ -411,7 +411,7 @@ response_cache_ttl = "60s"
 [sweeper]
 interval = "60s"
 batch_size = 1000
-pause = "0s"
+pause = "10ms"
 
 [defaults]
 key_header = "Idempotency-Key"
@@ -1921,7 +1921,7 @@ tenant_hash = true                    # store SHA-256 of the value, never the se
         assert_eq!(config.store.on_store_error, OnStoreError::Reject);
         assert_eq!(config.sweeper.interval, secs(60));
         assert_eq!(config.sweeper.batch_size, 1000);
-        assert_eq!(config.sweeper.pause, Duration::ZERO);
+        assert_eq!(config.sweeper.pause, Duration::from_millis(10));
         let policy = &config.routes[0].policy;
         assert_eq!(
             policy.key_header,

@@ -178,6 +178,82 @@ async fn sweeper_deletes_only_expired_records_in_batches_and_counts_them() {
     assert_eq!(h.record_count().await, 2);
 }
 
+// The sweeper's batches: oldest expiry first, each starting at the latest
+// expiry the previous batch deleted; a record another transaction holds is
+// skipped and left to the next pass (docs/retention.md).
+#[tokio::test]
+async fn sweep_batches_resume_in_expiry_order_and_leave_locked_records_to_the_next_pass() {
+    let db = TestDb::new().await;
+    let store = store_for(&db.url);
+    store.migrate().await.unwrap();
+    let c = db.client().await;
+    // k-1 .. k-5 expired 1 .. 5 minutes ago; k-live expires tomorrow.
+    c.batch_execute(
+        "INSERT INTO idempotency_records
+             (tenant_id, idempotency_key, fingerprint, owner_token, attempt, state,
+              created_at, completed_at, expires_at, response_status)
+         SELECT '', k, sha256(convert_to(k, 'UTF8')), gen_random_uuid(), 1, 'completed',
+                now() - interval '1 day', now() - interval '1 day', now() + m * interval '1 minute', 200
+           FROM (VALUES ('k-1', -1), ('k-2', -2), ('k-3', -3), ('k-4', -4), ('k-5', -5),
+                        ('k-live', 1440)) AS v(k, m)",
+    )
+    .await
+    .unwrap();
+    let keys = || async {
+        let rows = c
+            .query(
+                "SELECT idempotency_key FROM idempotency_records ORDER BY idempotency_key",
+                &[],
+            )
+            .await
+            .unwrap();
+        rows.iter().map(|r| r.get(0)).collect::<Vec<String>>()
+    };
+    let expiry = |key: &'static str| {
+        let c = &c;
+        async move {
+            c.query_one(
+                "SELECT expires_at FROM idempotency_records WHERE idempotency_key = $1",
+                &[&key],
+            )
+            .await
+            .unwrap()
+            .get::<_, std::time::SystemTime>(0)
+        }
+    };
+
+    let k4 = expiry("k-4").await;
+    let first = store.sweep_batch(2, None).await.unwrap();
+    assert_eq!((first.deleted, first.last_expiry), (2, Some(k4)));
+    assert_eq!(keys().await, ["k-1", "k-2", "k-3", "k-live"]);
+
+    // Another transaction holds k-3.
+    let mut locker = db.client().await;
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM idempotency_records WHERE idempotency_key = 'k-3' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let k1 = expiry("k-1").await;
+    let second = store.sweep_batch(2, first.last_expiry).await.unwrap();
+    assert_eq!((second.deleted, second.last_expiry), (2, Some(k1)));
+    assert_eq!(keys().await, ["k-3", "k-live"]);
+    tx.commit().await.unwrap();
+
+    // The rest of this pass starts after k-3's expiry: nothing left there.
+    let third = store.sweep_batch(2, second.last_expiry).await.unwrap();
+    assert_eq!((third.deleted, third.last_expiry), (0, None));
+    // The next pass starts from the oldest again.
+    let metrics = Metrics::new();
+    let deleted = idemproxy::sweeper::sweep_once(&store, &metrics, 2)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    assert_eq!(keys().await, ["k-live"]);
+}
+
 // §7 migrations: replicas may start at once; each migration is applied once.
 #[tokio::test]
 async fn concurrent_migrations_apply_each_version_exactly_once() {

@@ -368,16 +368,36 @@ DELETE FROM idempotency_records
 RETURNING 1)
 SELECT pg_notify('idemproxy_keys', $4) FROM gone";
 
+/// One sweeper batch: the oldest expired rows at or after `$2` (the latest
+/// expiry the previous batch of the pass deleted; NULL for the first), locked
+/// (`SKIP LOCKED`: replicas split the work) and deleted by `ctid`, which is
+/// stable while the lock is held. Starting at `$2` keeps each batch from
+/// walking the index entries of the rows the pass already deleted, which
+/// nothing can remove while an older snapshot is open; the `ctid` join
+/// spares a primary-key probe per row (docs/retention.md). Returns how many
+/// rows went and the latest expiry among them.
 const SWEEP_SQL: &str = "
-DELETE FROM idempotency_records r
- USING (SELECT tenant_id, idempotency_key
+WITH gone AS (
+DELETE FROM idempotency_records
+ WHERE ctid = ANY (ARRAY(
+        SELECT ctid
           FROM idempotency_records
-         WHERE expires_at <= now()
+         WHERE expires_at >= coalesce($2::timestamptz, '-infinity')
+           AND expires_at <= now()
            AND (state = 'completed' OR lease_expires_at <= now())
          ORDER BY expires_at
          LIMIT $1
-         FOR UPDATE SKIP LOCKED) d
- WHERE r.tenant_id = d.tenant_id AND r.idempotency_key = d.idempotency_key";
+         FOR UPDATE SKIP LOCKED))
+RETURNING expires_at)
+SELECT count(*), max(expires_at) FROM gone";
+
+/// Run before `SWEEP_SQL` in its transaction: the pages a batch dirties are
+/// handed to the kernel for writing as they leave shared buffers, not left
+/// for it to write all at once some 30 s later (its dirty-page expiry), when
+/// every commit of the claims would queue behind that burst. Without it a
+/// swept backlog of 1M records stalled claims ~300 ms half a minute after
+/// the sweep (docs/retention.md).
+const SWEEP_FLUSH_SQL: &str = "SET LOCAL backend_flush_after = '256kB'";
 
 const SHOW_SQL: &str = "
 SELECT tenant_id, idempotency_key, state, attempt, owner_token, fingerprint,
@@ -386,6 +406,16 @@ SELECT tenant_id, idempotency_key, state, attempt, owner_token, fingerprint,
        CASE WHEN $3 THEN response_body END, now()
   FROM idempotency_records
  WHERE tenant_id = $1 AND idempotency_key = $2";
+
+/// What one sweeper batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweepBatch {
+    /// Records deleted.
+    pub deleted: u64,
+    /// The latest expiry among them (`None` when none was deleted): where
+    /// the next batch of the pass starts.
+    pub last_expiry: Option<SystemTime>,
+}
 
 /// The PostgreSQL-backed record store.
 #[derive(Clone)]
@@ -721,12 +751,25 @@ impl Store {
         .await
     }
 
-    /// Deletes up to `limit` expired records; returns how many.
-    pub async fn sweep_batch(&self, limit: u32) -> Result<u64, StoreError> {
+    /// Deletes up to `limit` expired records, oldest first, starting at the
+    /// expiry `from` (the previous batch's [`SweepBatch::last_expiry`]; `None`
+    /// for the first batch of a pass).
+    pub async fn sweep_batch(
+        &self,
+        limit: u32,
+        from: Option<SystemTime>,
+    ) -> Result<SweepBatch, StoreError> {
         self.bounded(async {
-            let client = self.client().await?;
-            let stmt = client.prepare_cached(SWEEP_SQL).await?;
-            Ok(client.execute(&stmt, &[&i64::from(limit)]).await?)
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            tx.batch_execute(SWEEP_FLUSH_SQL).await?;
+            let stmt = tx.prepare_cached(SWEEP_SQL).await?;
+            let row = tx.query_one(&stmt, &[&i64::from(limit), &from]).await?;
+            tx.commit().await?;
+            Ok(SweepBatch {
+                deleted: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+                last_expiry: row.get(1),
+            })
         })
         .await
     }
