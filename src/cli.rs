@@ -215,6 +215,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     ..Overrides::default()
                 },
             )?;
+            for warning in config.warnings() {
+                tracing::warn!("{warning}");
+            }
             let running = app::start(
                 config,
                 ServeOptions {
@@ -247,6 +250,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     config.routes.len(),
                     config.upstream.url
                 );
+                for warning in config.warnings() {
+                    println!("warning: {warning}");
+                }
                 Ok(ExitCode::SUCCESS)
             }
             Err(e) => {

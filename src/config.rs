@@ -112,6 +112,13 @@ pub struct StoreConfig {
     /// database (bounds how long an operator's manual release goes
     /// unnoticed by a replica).
     pub response_cache_ttl: Duration,
+    /// Use named prepared statements (cached per connection). `false` for
+    /// a pooler in transaction or statement mode (PgBouncer before 1.21),
+    /// which cannot keep a statement between transactions.
+    pub prepared_statements: bool,
+    /// A direct (session) URL for `LISTEN` and migrations; `None`: the
+    /// database URL. A secret, like the database URL.
+    pub listen_url: Option<Secret>,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -122,6 +129,10 @@ impl fmt::Debug for StoreConfig {
             .field("timeout", &self.timeout)
             .field("on_store_error", &self.on_store_error)
             .field("ca_file", &self.ca_file)
+            .field("response_cache", &self.response_cache)
+            .field("response_cache_ttl", &self.response_cache_ttl)
+            .field("prepared_statements", &self.prepared_statements)
+            .field("listen_url", &self.listen_url)
             .finish()
     }
 }
@@ -203,6 +214,25 @@ pub struct Route {
 }
 
 impl Config {
+    /// Settings that are valid but work against each other; `check-config`
+    /// prints them and `serve` logs them at start.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        // Drain waits for every owned claim: its upstream call (bounded by
+        // upstream.timeout), then the store write (bounded by store.timeout).
+        let needed = self.upstream.timeout + self.store.timeout;
+        if self.server.shutdown_grace < needed {
+            out.push(format!(
+                "server.shutdown_grace ({}) is shorter than upstream.timeout + store.timeout ({}): \
+                 on SIGTERM a slow owned request may be cut before its response is stored, \
+                 and its key then waits for its lease to expire",
+                humantime::format_duration(self.server.shutdown_grace),
+                humantime::format_duration(needed)
+            ));
+        }
+        out
+    }
+
     /// The first route whose prefix matches `path`.
     pub fn route_for(&self, path: &str) -> Option<&Route> {
         self.routes
@@ -391,7 +421,7 @@ const BUILTIN_DEFAULTS: &str = r#"
 listen = "0.0.0.0:8080"
 admin_listen = "127.0.0.1:9090"
 max_request_body = "1MiB"
-shutdown_grace = "30s"
+shutdown_grace = "35s"
 header_read_timeout = "10s"
 max_waiters = 1024
 
@@ -407,6 +437,7 @@ timeout = "2s"
 on_store_error = "reject"
 response_cache = "16MiB"
 response_cache_ttl = "60s"
+prepared_statements = true
 
 [sweeper]
 interval = "60s"
@@ -514,7 +545,7 @@ struct RawUpstream {
 struct RawStore {
     /// PostgreSQL URL (`postgres://` or `postgresql://`) or `key=value` connection string. A secret: never logged nor echoed in errors. `IDEMPROXY_DATABASE_URL` overrides it.
     database_url: Option<Spanned<String>>,
-    /// Maximum number of pooled connections; at least 1.
+    /// Maximum number of pooled connections; at least 3 (one each for the claim and completion batch workers, and one that lease renewals, takeovers and reads can always get). A replica holds at most `pool_size` + 1 connections (the extra one listens for notifications).
     pool_size: Option<Spanned<i64>>,
     /// Bound on any one store operation, pool wait included; greater than 0.
     timeout: Option<Spanned<String>>,
@@ -526,6 +557,10 @@ struct RawStore {
     response_cache: Option<Spanned<String>>,
     /// Longest time a cached response is replayed without asking the database: an operator's `keys release --force` of a completed key reaches every replica within it; greater than 0.
     response_cache_ttl: Option<Spanned<String>>,
+    /// Use named prepared statements, cached per connection (one round trip per operation either way). Set `false` behind a pooler in transaction or statement mode (PgBouncer before 1.21), which cannot keep a named statement between transactions.
+    prepared_statements: Option<Spanned<bool>>,
+    /// A direct (session-mode) URL used only for `LISTEN` and for migrations, which need a session; unset: `database_url`. Set it when `database_url` points at a pooler in transaction mode. A secret, like `database_url`.
+    listen_url: Option<Spanned<String>>,
 }
 
 /// `[sweeper]` (an extension to DESIGN.md §3).
@@ -1049,8 +1084,17 @@ impl<'a> Checker<'a> {
             &raw.pool_size,
             base.map(|b| b.pool_size),
             |c, key, v| {
-                c.int_in(key, v, 1..=i64::MAX)
-                    .and_then(|n| usize::try_from(n).ok())
+                if *v.get_ref() < 3 {
+                    return c.bad(
+                        key,
+                        v,
+                        format!(
+                            "must be at least 3, not {}: the claim and completion batch workers hold one connection each, and lease renewals need one they can always get",
+                            v.get_ref()
+                        ),
+                    );
+                }
+                usize::try_from(*v.get_ref()).ok()
             },
         );
         let timeout = self.get(
@@ -1087,7 +1131,22 @@ impl<'a> Checker<'a> {
             base.map(|b| b.response_cache_ttl),
             Self::positive_duration,
         );
+        let prepared_statements = self.get(
+            "store.prepared_statements",
+            &raw.prepared_statements,
+            base.map(|b| b.prepared_statements),
+            |_, _, v| Some(*v.get_ref()),
+        );
+        let listen_url = match &raw.listen_url {
+            Some(v) => match check_database_url(v.get_ref()) {
+                Ok(()) => Some(Some(Secret::new(v.get_ref().as_str()))),
+                Err(message) => self.bad("store.listen_url", v, message),
+            },
+            None => Some(base.and_then(|b| b.listen_url.clone())),
+        };
         Some(StoreConfig {
+            prepared_statements: prepared_statements?,
+            listen_url: listen_url?,
             response_cache: response_cache?,
             response_cache_ttl: response_cache_ttl?,
             database_url: database_url?,
@@ -1758,6 +1817,13 @@ mod tests {
         assert!(!text.contains("pw@"), "{text}");
     }
 
+    /// DESIGN.md §3's example with the documented deviation of the
+    /// defaults: `shutdown_grace` is 35s, not 30s.
+    fn deviating(design: &str) -> String {
+        assert!(design.contains("shutdown_grace = \"30s\""));
+        design.replace("shutdown_grace = \"30s\"", "shutdown_grace = \"35s\"")
+    }
+
     /// DESIGN.md §3, verbatim.
     const DESIGN_EXAMPLE: &str = r#"[server]
 listen = "0.0.0.0:8080"
@@ -1896,6 +1962,52 @@ tenant_hash = true                    # store SHA-256 of the value, never the se
     }
 
     #[test]
+    fn the_defaults_drain_an_owned_request_within_the_grace() {
+        assert_eq!(parse_ok("").warnings(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_grace_shorter_than_upstream_and_store_timeouts_is_warned_about() {
+        let config = parse_ok("[server]\nshutdown_grace = \"10s\"\n");
+        let warnings = config.warnings();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("server.shutdown_grace (10s)"),
+            "{warnings:?}"
+        );
+        assert!(warnings[0].contains("(32s)"), "{warnings:?}");
+    }
+
+    #[test]
+    fn pool_sizes_below_three_are_refused_with_the_reason() {
+        for n in [1, 2] {
+            let problems = problems(&format!("[store]\npool_size = {n}\n"));
+            let p = problem(&problems, "store.pool_size");
+            assert!(p.message.contains("must be at least 3"), "{}", p.message);
+            assert!(p.message.contains("renewals"), "{}", p.message);
+        }
+        assert_eq!(parse_ok("[store]\npool_size = 3\n").store.pool_size, 3);
+    }
+
+    #[test]
+    fn pooler_settings_default_to_prepared_statements_and_the_database_url() {
+        let config = parse_ok("");
+        assert!(config.store.prepared_statements);
+        assert!(config.store.listen_url.is_none());
+        let config = parse_ok(
+            "[store]\nprepared_statements = false\nlisten_url = \"postgres://u:pw@db:5432/x\"\n",
+        );
+        assert!(!config.store.prepared_statements);
+        assert_eq!(
+            config.store.listen_url.as_ref().map(Secret::expose),
+            Some("postgres://u:pw@db:5432/x")
+        );
+        assert!(!format!("{:?}", config.store).contains("pw@"));
+        let problems = problems("[store]\nlisten_url = \"mysql://db/x\"\n");
+        assert_eq!(problem(&problems, "store.listen_url").line, Some(2));
+    }
+
+    #[test]
     fn empty_file_is_valid_and_every_key_has_its_default() {
         let config = parse_ok("");
         assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
@@ -1904,7 +2016,7 @@ tenant_hash = true                    # store SHA-256 of the value, never the se
             "127.0.0.1:9090".parse().unwrap()
         );
         assert_eq!(config.server.max_request_body, MIB);
-        assert_eq!(config.server.shutdown_grace, secs(30));
+        assert_eq!(config.server.shutdown_grace, secs(35));
         assert_eq!(config.server.header_read_timeout, secs(10));
         assert_eq!(
             config.upstream.url,
@@ -1946,8 +2058,11 @@ tenant_hash = true                    # store SHA-256 of the value, never the se
         let Some((without_routes, _)) = DESIGN_EXAMPLE.split_once("[[route]]") else {
             panic!("the example has routes");
         };
+        // One deliberate deviation (docs/configuration.md): the grace
+        // covers upstream.timeout + store.timeout, 30s + 2s.
+        let without_routes = deviating(without_routes);
         assert_eq!(
-            format!("{:?}", parse_ok(without_routes)),
+            format!("{:?}", parse_ok(&without_routes)),
             format!("{:?}", parse_ok(""))
         );
     }
@@ -2062,7 +2177,7 @@ timeout = \"forever\"
 
 [store]
 database_url = \"mysql://root@db/app\"
-pool_size = 0
+pool_size = 2
 timeout = \"0s\"
 on_store_error = \"ignore\"
 
@@ -2454,7 +2569,7 @@ retention = \"0s\"
         .unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(
             format!("{:?}", example),
-            format!("{:?}", parse_ok(DESIGN_EXAMPLE))
+            format!("{:?}", parse_ok(&deviating(DESIGN_EXAMPLE)))
         );
 
         let dev = parse(
@@ -2605,7 +2720,7 @@ retention = \"0s\"
         assert!(keys.contains(&("sweeper", "batch_size")));
         assert!(keys.contains(&("route", "name")));
         assert!(keys.contains(&("defaults", "wait")));
-        assert_eq!(keys.len(), 8 + 4 + 7 + 3 + 12 + 5);
+        assert_eq!(keys.len(), 8 + 4 + 9 + 3 + 12 + 5);
     }
 
     #[test]
@@ -2621,6 +2736,7 @@ retention = \"0s\"
                 ("route", "tenant_header")
                     | ("server", "tls_cert_file" | "tls_key_file")
                     | ("upstream" | "store", "ca_file")
+                    | ("store", "listen_url")
             );
             assert_eq!(table.get(key).is_some(), !optional, "{section}.{key}");
         }
