@@ -531,7 +531,8 @@ impl ProxyProc {
         }
     }
 
-    /// Starts the process and waits until `/readyz` answers 200.
+    /// Starts the process and waits until `/readyz/store` answers 200 (the
+    /// store reachable and migrated: keyed requests can succeed).
     pub async fn start(dir: &TempDir, name: &str, config: &ProxyConfig) -> ProxyProc {
         let p = ProxyProc::spawn(dir, name, config);
         p.wait_ready(Duration::from_secs(20)).await;
@@ -557,10 +558,22 @@ impl ProxyProc {
         .ok()
     }
 
+    /// `GET /readyz/store` (None if the admin listener does not answer).
+    pub async fn store_readyz(&self) -> Option<Resp> {
+        tokio::time::timeout(
+            Duration::from_secs(3),
+            HttpClient::new().try_send(Req::get(&self.admin_url("/readyz/store"))),
+        )
+        .await
+        .ok()?
+        .ok()
+    }
+
+    /// Waits until `/readyz/store` answers 200.
     pub async fn wait_ready(&self, timeout: Duration) -> Duration {
         let started = Instant::now();
         loop {
-            if let Some(r) = self.readyz().await {
+            if let Some(r) = self.store_readyz().await {
                 if r.status == StatusCode::OK {
                     return started.elapsed();
                 }
