@@ -108,8 +108,9 @@ pub enum OnStoreError {
     PassThrough,
 }
 
-/// `[store]`.
-#[derive(Clone)]
+/// `[store]`. `Debug` is derived: the URLs are [`Secret`]s, which redact
+/// themselves.
+#[derive(Debug, Clone)]
 pub struct StoreConfig {
     /// The PostgreSQL URL (a secret: never logged).
     pub database_url: Secret,
@@ -135,22 +136,6 @@ pub struct StoreConfig {
     /// A direct (session) URL for `LISTEN` and migrations; `None`: the
     /// database URL. A secret, like the database URL.
     pub listen_url: Option<Secret>,
-}
-
-impl fmt::Debug for StoreConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreConfig")
-            .field("database_url", &self.database_url)
-            .field("pool_size", &self.pool_size)
-            .field("timeout", &self.timeout)
-            .field("on_store_error", &self.on_store_error)
-            .field("ca_file", &self.ca_file)
-            .field("response_cache", &self.response_cache)
-            .field("response_cache_ttl", &self.response_cache_ttl)
-            .field("prepared_statements", &self.prepared_statements)
-            .field("listen_url", &self.listen_url)
-            .finish()
-    }
 }
 
 /// `[sweeper]`: deletion of records past their retention.
