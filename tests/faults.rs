@@ -311,13 +311,17 @@ async fn database_restart_under_traffic_fails_closed_recovers_by_itself_and_lose
         probes.push(key);
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
-    let ready = proxy.readyz().await.unwrap();
+    // The store is not ready, the process is (DESIGN.md §8.1): an outage
+    // must not pull every replica out of its Service.
+    let store_ready = proxy.store_readyz().await.unwrap();
     assert_eq!(
-        ready.status,
+        store_ready.status,
         StatusCode::SERVICE_UNAVAILABLE,
         "{}",
-        ready.text()
+        store_ready.text()
     );
+    let ready = proxy.readyz().await.unwrap();
+    assert_eq!(ready.status, StatusCode::OK, "{}", ready.text());
     pg.start();
     let up_at = Instant::now();
     let outage = up_at - down_at;
@@ -440,7 +444,8 @@ async fn proxy_started_before_its_database_is_not_ready_then_ready_once_it_appea
         &ProxyConfig::new(&up.url(), &pg.url("postgres")).store_timeout("500ms"),
     );
 
-    // It listens, is alive, is not ready, and fails closed.
+    // It listens, is alive and ready (readiness never follows the store),
+    // its store is not ready, and it fails closed.
     let deadline = Instant::now() + Duration::from_secs(10);
     let ready = loop {
         if let Some(r) = proxy.readyz().await {
@@ -449,11 +454,13 @@ async fn proxy_started_before_its_database_is_not_ready_then_ready_once_it_appea
         assert!(Instant::now() < deadline, "{}", proxy.proc.log_tail(20));
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    assert_eq!(ready.status, StatusCode::OK, "{}", ready.text());
+    let store_ready = proxy.store_readyz().await.unwrap();
     assert_eq!(
-        ready.status,
+        store_ready.status,
         StatusCode::SERVICE_UNAVAILABLE,
         "{}",
-        ready.text()
+        store_ready.text()
     );
     let health = common::HttpClient::new()
         .send(common::Req::get(&proxy.admin_url("/healthz")))
