@@ -294,13 +294,8 @@ async fn checkout(pool: &Pool, prepared: bool) -> Result<Conn, StoreError> {
     Ok(Conn::new(object, prepared))
 }
 
-/// The driver's URL parse errors may quote the URL; keep only a generic
-/// description.
-fn redacted_parse_error(e: &tokio_postgres::Error) -> String {
-    let text = e.to_string();
-    if text.contains("://") || text.contains('@') || text.contains("password") {
-        "the URL could not be parsed (details withheld: they may contain the password)".into()
-    } else {
-        text
+impl From<crate::pg_url::UrlError> for StoreError {
+    fn from(e: crate::pg_url::UrlError) -> Self {
+        StoreError::Url(e.0)
     }
 }
