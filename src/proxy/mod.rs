@@ -46,7 +46,7 @@ use crate::lifecycle::Lifecycle;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{Claim, ClaimResult, Replace, Store, StoreError, StoredResponse};
 use crate::waiters::{WaitGuard, Waiters};
-use problem::{Problem, ProblemKind};
+use problem::{Forwarded, Problem, ProblemKind};
 use upstream::{Upstream, UpstreamError};
 
 /// Errors carried by proxied bodies.
@@ -512,14 +512,9 @@ impl Proxy {
         ) {
             Ok(r) => r,
             Err(e) => {
+                // Nothing was sent: released, as settle() does for NotSent.
                 self.release(k, claim).await;
-                return Handled::problem(
-                    Problem::new(
-                        ProblemKind::InvalidRequest,
-                        format!("the request cannot be forwarded: {e}"),
-                    ),
-                    Outcome::Released,
-                );
+                return Handled::problem(Problem::unforwardable(&e), Outcome::Released);
             }
         };
         // The body is already buffered: no 100-continue dance upstream.
@@ -532,11 +527,11 @@ impl Proxy {
         let timeout = self.upstream.timeout();
         let exchange = async {
             let resp = self.upstream.send(req).await?;
-            if settle(
-                UpstreamOutcome::Answered(resp.status().as_u16()),
-                &release_on,
-            ) == Settlement::Release
-            {
+            // Settled on the status, before the body is read: a released
+            // answer streams on unbuffered, only a completed one is read
+            // (bounded) to be stored.
+            let answered = UpstreamOutcome::Answered(resp.status().as_u16());
+            if settle(answered, &release_on) == Settlement::Release {
                 return Ok(Exchanged::Release(resp));
             }
             read_limited(resp, max_stored).await
@@ -567,39 +562,7 @@ impl Proxy {
             _ => None,
         };
         let mut handled = match result {
-            Err(UpstreamError::Connect(e)) => {
-                // settle(NotSent) == Release: the request never left.
-                self.release(k, claim).await;
-                Handled::problem(
-                    Problem::new(
-                        ProblemKind::UpstreamUnreachable,
-                        format!("the upstream could not be reached; the request was not sent and may be retried at once ({e})"),
-                    ),
-                    Outcome::Released,
-                )
-            }
-            Err(e @ UpstreamError::Timeout(_)) => {
-                warn!(key = %k.key, attempt = claim.attempt, error = %e, "outcome unknown: the claim stays in flight until its lease expires");
-                Handled::problem(
-                    Problem::new(
-                        ProblemKind::UpstreamTimeout,
-                        "the upstream did not answer in time; the request may have been executed. Retry with the same key after the lease expires",
-                    )
-                    .retry_after(retry_after_secs(policy.lease)),
-                    Outcome::Claimed,
-                )
-            }
-            Err(e) => {
-                warn!(key = %k.key, attempt = claim.attempt, error = %e, "outcome unknown: the claim stays in flight until its lease expires");
-                Handled::problem(
-                    Problem::new(
-                        ProblemKind::UpstreamFailed,
-                        "the upstream connection failed after the request was sent; it may have been executed. Retry with the same key after the lease expires",
-                    )
-                    .retry_after(retry_after_secs(policy.lease)),
-                    Outcome::Claimed,
-                )
-            }
+            Err(e) => self.unanswered(k, claim, e, &release_on).await,
             Ok(Exchanged::Release(resp)) => {
                 self.release(k, claim).await;
                 Handled::new(stream_response(resp), Outcome::Released)
@@ -639,6 +602,35 @@ impl Proxy {
         };
         handled.attempt = Some(claim.attempt);
         handled
+    }
+
+    /// The exchange produced no response: settles the claim by what the
+    /// failure proves (never sent: release; maybe executed: keep).
+    async fn unanswered(
+        &self,
+        k: &Keyed<'_>,
+        claim: Claim,
+        e: UpstreamError,
+        release_on: &[u16],
+    ) -> Handled {
+        let problem = Problem::upstream(
+            &e,
+            Forwarded::Claimed {
+                lease: k.route.policy.lease,
+            },
+        );
+        match settle(e.outcome(), release_on) {
+            Settlement::Release => {
+                self.release(k, claim).await;
+                Handled::problem(problem, Outcome::Released)
+            }
+            // With no response there is nothing to complete: anything but a
+            // release leaves the claim to expire with its lease.
+            Settlement::KeepInFlight | Settlement::Complete => {
+                warn!(key = %k.key, attempt = claim.attempt, error = %e, "outcome unknown: the claim stays in flight until its lease expires");
+                Handled::problem(problem, Outcome::Claimed)
+            }
+        }
     }
 
     /// Stores the response, fenced by our owner token. `renewal` keeps the
@@ -747,13 +739,7 @@ impl Proxy {
                 {
                     Ok(r) => r,
                     Err(e) => {
-                        return Handled::problem(
-                            Problem::new(
-                                ProblemKind::InvalidRequest,
-                                format!("the request cannot be forwarded: {e}"),
-                            ),
-                            Outcome::StoreError,
-                        )
+                        return Handled::problem(Problem::unforwardable(&e), Outcome::StoreError)
                     }
                 };
                 let mut h = self.forward_streaming(req).await;
@@ -768,13 +754,7 @@ impl Proxy {
         let body = body.map_err(BoxError::from).boxed();
         match self.forward_request(&parts, body, client, None) {
             Ok(req) => self.forward_streaming(req).await,
-            Err(e) => Handled::problem(
-                Problem::new(
-                    ProblemKind::InvalidRequest,
-                    format!("the request cannot be forwarded: {e}"),
-                ),
-                Outcome::Rejected,
-            ),
+            Err(e) => Handled::problem(Problem::unforwardable(&e), Outcome::Rejected),
         }
     }
 
@@ -784,14 +764,10 @@ impl Proxy {
         self.metrics.upstream(started.elapsed());
         match result {
             Ok(resp) => Handled::new(stream_response(resp), Outcome::Passthrough),
-            Err(e) => {
-                let kind = match e {
-                    UpstreamError::Connect(_) => ProblemKind::UpstreamUnreachable,
-                    UpstreamError::Timeout(_) => ProblemKind::UpstreamTimeout,
-                    UpstreamError::Failed(_) => ProblemKind::UpstreamFailed,
-                };
-                Handled::problem(Problem::new(kind, e.to_string()), Outcome::Passthrough)
-            }
+            Err(e) => Handled::problem(
+                Problem::upstream(&e, Forwarded::Unprotected),
+                Outcome::Passthrough,
+            ),
         }
     }
 
