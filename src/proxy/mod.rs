@@ -501,8 +501,10 @@ impl Proxy {
         let policy = &k.route.policy;
         let in_flight = self.metrics.in_flight().clone();
         in_flight.inc();
-        let _in_flight = scopeguard(move || {
-            in_flight.dec();
+        // The in-flight gauge must come down on every path, cancellation
+        // included.
+        let _in_flight = scopeguard::guard(in_flight, |g| {
+            g.dec();
         });
         let mut req = match self.forward_request(
             &k.parts,
@@ -950,20 +952,6 @@ async fn retry_completion(
         }
     }
     warn!(key = %c.key, "gave up storing the response; the claim will expire with its lease");
-}
-
-/// Runs a closure when dropped (the in-flight gauge must come down on every
-/// path, cancellation included).
-fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
-    struct Guard<F: FnOnce()>(Option<F>);
-    impl<F: FnOnce()> Drop for Guard<F> {
-        fn drop(&mut self) {
-            if let Some(f) = self.0.take() {
-                f();
-            }
-        }
-    }
-    Guard(Some(f))
 }
 
 /// The part of a response body already read, then the rest as it streams.
