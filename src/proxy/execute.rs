@@ -112,7 +112,12 @@ impl Proxy {
         // claim of unknown outcome is left to expire.
         let renewal = match &result {
             Ok(Exchanged::Whole(..) | Exchanged::TooLarge(..)) => Some(renewal),
-            _ => None,
+            _ => {
+                // Now, not when this function returns (after a release's
+                // round trip): a shadowed guard would live on.
+                drop(renewal);
+                None
+            }
         };
         let mut handled = match result {
             Err(e) => self.unanswered(k, claim, e, &release_on).await,
