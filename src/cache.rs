@@ -26,7 +26,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::idempotency::{Fingerprint, IdempotencyKey, KeyId, TenantId};
+use crate::idempotency::{Fingerprint, RecordKey};
 use crate::store::StoredResponse;
 
 /// A cached completion.
@@ -127,11 +127,12 @@ impl ResponseCache {
     }
 
     /// The completion of `(tenant, key)`, if cached and still fresh.
-    pub fn get(&self, tenant: &TenantId, key: &IdempotencyKey) -> Option<Cached> {
+    pub fn get(&self, record: &RecordKey) -> Option<Cached> {
         if self.max_bytes == 0 {
             return None;
         }
-        let id = KeyId::new(tenant, key).to_string();
+        let (tenant, key) = (&record.tenant, &record.key);
+        let id = record.id().to_string();
         let mut inner = self.lock();
         let entry = inner.map.get(&id)?;
         // The id is a digest: the entry must be this very tenant and key.
@@ -151,14 +152,8 @@ impl ResponseCache {
     /// invalidated since. `now` is the database's clock at the time
     /// `expires_at` was read, so the remaining lifetime is measured on one
     /// clock.
-    pub fn put(
-        &self,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
-        cached: Cached,
-        now: SystemTime,
-        ticket: Ticket,
-    ) {
+    pub fn put(&self, record: &RecordKey, cached: Cached, now: SystemTime, ticket: Ticket) {
+        let (tenant, key) = (&record.tenant, &record.key);
         let size = size_of(tenant.as_str(), key.as_str(), &cached.response);
         if self.max_bytes == 0 || size > self.max_bytes / 4 {
             // One entry may not crowd out the rest.
@@ -168,7 +163,7 @@ impl ResponseCache {
             return;
         };
         let until = Instant::now() + remaining.min(self.ttl);
-        let id = KeyId::new(tenant, key).to_string();
+        let id = record.id().to_string();
         let mut inner = self.lock();
         let stale = ticket.at.elapsed() >= self.window
             || ticket.epoch < inner.cleared
@@ -272,12 +267,17 @@ impl ResponseCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::idempotency::{IdempotencyKey, KeyId, TenantId};
     use bytes::Bytes;
 
     const WINDOW: Duration = Duration::from_secs(2);
 
     fn key(s: &str) -> IdempotencyKey {
         IdempotencyKey::parse(s.as_bytes(), 255).unwrap()
+    }
+
+    fn rk(tenant: &TenantId, k: &str) -> RecordKey {
+        RecordKey::new(tenant.clone(), key(k))
     }
 
     fn cached(body: usize, expires_in: Duration, now: SystemTime) -> Cached {
@@ -298,19 +298,18 @@ mod tests {
         let now = SystemTime::now();
         let t = TenantId::from_stored("acme");
         c.put(
-            &t,
-            &key("k"),
+            &rk(&t, "k"),
             cached(10, Duration::from_secs(60), now),
             now,
             c.ticket(),
         );
-        assert!(c.get(&t, &key("k")).is_some());
+        assert!(c.get(&rk(&t, "k")).is_some());
         assert!(
-            c.get(&TenantId::from_stored("other"), &key("k")).is_none(),
+            c.get(&rk(&TenantId::from_stored("other"), "k")).is_none(),
             "tenants are separate"
         );
         std::thread::sleep(Duration::from_millis(60));
-        assert!(c.get(&t, &key("k")).is_none());
+        assert!(c.get(&rk(&t, "k")).is_none());
         assert_eq!(c.bytes(), 0);
     }
 
@@ -320,24 +319,22 @@ mod tests {
         let now = SystemTime::now();
         let t = TenantId::none();
         c.put(
-            &t,
-            &key("k"),
+            &rk(&t, "k"),
             cached(10, Duration::from_millis(30), now),
             now,
             c.ticket(),
         );
-        assert!(c.get(&t, &key("k")).is_some());
+        assert!(c.get(&rk(&t, "k")).is_some());
         std::thread::sleep(Duration::from_millis(40));
-        assert!(c.get(&t, &key("k")).is_none());
+        assert!(c.get(&rk(&t, "k")).is_none());
         // Already expired: not even stored.
         c.put(
-            &t,
-            &key("old"),
+            &rk(&t, "old"),
             cached(10, Duration::ZERO, now),
             now + Duration::from_secs(1),
             c.ticket(),
         );
-        assert!(c.get(&t, &key("old")).is_none());
+        assert!(c.get(&rk(&t, "old")).is_none());
     }
 
     #[test]
@@ -347,25 +344,23 @@ mod tests {
         let t = TenantId::none();
         for i in 0..40 {
             c.put(
-                &t,
-                &key(&format!("k{i}")),
+                &rk(&t, &format!("k{i}")),
                 cached(500, Duration::from_secs(60), now),
                 now,
                 c.ticket(),
             );
             assert!(c.bytes() <= 16 * 1024);
         }
-        assert!(c.get(&t, &key("k39")).is_some());
-        assert!(c.get(&t, &key("k0")).is_none());
+        assert!(c.get(&rk(&t, "k39")).is_some());
+        assert!(c.get(&rk(&t, "k0")).is_none());
         // An entry larger than a quarter of the budget is not kept.
         c.put(
-            &t,
-            &key("big"),
+            &rk(&t, "big"),
             cached(5000, Duration::from_secs(60), now),
             now,
             c.ticket(),
         );
-        assert!(c.get(&t, &key("big")).is_none());
+        assert!(c.get(&rk(&t, "big")).is_none());
     }
 
     #[test]
@@ -374,14 +369,13 @@ mod tests {
         let now = SystemTime::now();
         let t = TenantId::from_stored("acme");
         c.put(
-            &t,
-            &key("k"),
+            &rk(&t, "k"),
             cached(10, Duration::from_secs(60), now),
             now,
             c.ticket(),
         );
         c.invalidate(&KeyId::new(&t, &key("k")).to_string());
-        assert!(c.get(&t, &key("k")).is_none());
+        assert!(c.get(&rk(&t, "k")).is_none());
         assert_eq!(c.bytes(), 0);
     }
 
@@ -396,30 +390,27 @@ mod tests {
         c.invalidate(&KeyId::new(&t, &key("k")).to_string());
         // …then the replay caches what it read: refused.
         c.put(
-            &t,
-            &key("k"),
+            &rk(&t, "k"),
             cached(10, Duration::from_secs(60), now),
             now,
             ticket,
         );
-        assert!(c.get(&t, &key("k")).is_none());
+        assert!(c.get(&rk(&t, "k")).is_none());
         // Other keys, and reads that start after the release, still cache.
         c.put(
-            &t,
-            &key("other"),
+            &rk(&t, "other"),
             cached(10, Duration::from_secs(60), now),
             now,
             ticket,
         );
-        assert!(c.get(&t, &key("other")).is_some());
+        assert!(c.get(&rk(&t, "other")).is_some());
         c.put(
-            &t,
-            &key("k"),
+            &rk(&t, "k"),
             cached(10, Duration::from_secs(60), now),
             now,
             c.ticket(),
         );
-        assert!(c.get(&t, &key("k")).is_some());
+        assert!(c.get(&rk(&t, "k")).is_some());
     }
 
     #[test]
@@ -429,8 +420,7 @@ mod tests {
         let ticket = c.ticket();
         c.clear();
         c.put(
-            &TenantId::none(),
-            &key("k"),
+            &rk(&TenantId::none(), "k"),
             cached(10, Duration::from_secs(60), now),
             now,
             ticket,
@@ -445,8 +435,7 @@ mod tests {
         let ticket = c.ticket();
         std::thread::sleep(Duration::from_millis(30));
         c.put(
-            &TenantId::none(),
-            &key("k"),
+            &rk(&TenantId::none(), "k"),
             cached(10, Duration::from_secs(60), now),
             now,
             ticket,
@@ -459,8 +448,7 @@ mod tests {
         let c = ResponseCache::new(0, Duration::from_secs(60), WINDOW);
         let now = SystemTime::now();
         c.put(
-            &TenantId::none(),
-            &key("k"),
+            &rk(&TenantId::none(), "k"),
             cached(1, Duration::from_secs(60), now),
             now,
             c.ticket(),

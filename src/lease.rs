@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::idempotency::{IdempotencyKey, OwnerToken, TenantId};
+use crate::idempotency::{OwnerToken, RecordKey};
 use crate::metrics::Metrics;
 use crate::store::{RenewItem, Store};
 
@@ -94,8 +94,7 @@ impl Renewer {
     /// Keeps a claim alive until the returned guard is dropped.
     pub fn hold(
         self: &Arc<Self>,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
+        record: &RecordKey,
         owner: OwnerToken,
         lease: Duration,
     ) -> Renewal {
@@ -105,8 +104,8 @@ impl Renewer {
             id,
             Entry {
                 item: RenewItem {
-                    tenant: tenant.as_str().to_owned(),
-                    key: key.as_str().to_owned(),
+                    tenant: record.tenant.as_str().to_owned(),
+                    key: record.key.as_str().to_owned(),
                     owner: owner.as_uuid(),
                     lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
                 },

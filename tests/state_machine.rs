@@ -6,7 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::{Harness, Req, Setup};
-use idemproxy::idempotency::{Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, TenantId};
+use idemproxy::idempotency::{
+    Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, RecordKey, TenantId,
+};
 use idemproxy::store::{ClaimResult, Replace, StoredResponse};
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
@@ -181,8 +183,10 @@ async fn abandoned_claim(h: &Harness, key: &str, body: &str, lease: Duration) ->
     let owner = OwnerToken::mint();
     let result = store
         .claim(
-            &TenantId::none(),
-            &IdempotencyKey::parse(key.as_bytes(), 255).unwrap(),
+            &RecordKey::new(
+                TenantId::none(),
+                IdempotencyKey::parse(key.as_bytes(), 255).unwrap(),
+            ),
             &fp,
             owner,
             lease,
@@ -259,15 +263,17 @@ async fn expired_lease_with_different_body_is_422_and_not_taken_over() {
 async fn stale_owner_completion_is_refused_by_the_fence() {
     let h = Harness::start(Setup::default()).await;
     let store = h.store();
-    let tenant = TenantId::none();
-    let key = IdempotencyKey::parse(b"k-fence", 255).unwrap();
+    let record = RecordKey::new(
+        TenantId::none(),
+        IdempotencyKey::parse(b"k-fence", 255).unwrap(),
+    );
     let fp = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, None, b"x");
     let a = OwnerToken::mint();
     let lease = Duration::from_millis(100);
     let retention = Duration::from_secs(60);
     assert!(matches!(
         store
-            .claim(&tenant, &key, &fp, a, lease, retention)
+            .claim(&record, &fp, a, lease, retention)
             .await
             .unwrap(),
         ClaimResult::Claimed(_)
@@ -275,41 +281,33 @@ async fn stale_owner_completion_is_refused_by_the_fence() {
     tokio::time::sleep(Duration::from_millis(150)).await;
     let b = OwnerToken::mint();
     let claim = store
-        .replace(
-            &tenant,
-            &key,
-            &fp,
-            b,
-            Replace::TakeOver(a),
-            lease,
-            retention,
-        )
+        .replace(&record, &fp, b, Replace::TakeOver(a), lease, retention)
         .await
         .unwrap()
         .expect("takeover after the lease expired");
     assert_eq!(claim.attempt, 2);
     // A cannot take over again from itself, nor renew, nor release.
-    assert!(!store.renew(&tenant, &key, a, lease).await.unwrap());
-    assert!(!store.release(&tenant, &key, a, None).await.unwrap());
+    assert!(!store.renew(&record, a, lease).await.unwrap());
+    assert!(!store.release(&record, a, None).await.unwrap());
     let response = |body: &'static [u8]| StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), "text/plain".into())],
         body: Some(body.into()),
     };
     assert!(store
-        .complete(&tenant, &key, b, &response(b"B"), retention, None)
+        .complete(&record, b, &response(b"B"), retention, None)
         .await
         .unwrap()
         .is_some());
     assert_eq!(
         store
-            .complete(&tenant, &key, a, &response(b"A"), retention, None)
+            .complete(&record, a, &response(b"A"), retention, None)
             .await
             .unwrap(),
         None
     );
     match store
-        .claim(&tenant, &key, &fp, OwnerToken::mint(), lease, retention)
+        .claim(&record, &fp, OwnerToken::mint(), lease, retention)
         .await
         .unwrap()
     {
@@ -323,14 +321,15 @@ async fn stale_owner_completion_is_refused_by_the_fence() {
 async fn racing_takeovers_have_exactly_one_winner() {
     let h = Harness::start(Setup::default()).await;
     let store = h.store();
-    let tenant = TenantId::none();
-    let key = IdempotencyKey::parse(b"k-race", 255).unwrap();
+    let record = RecordKey::new(
+        TenantId::none(),
+        IdempotencyKey::parse(b"k-race", 255).unwrap(),
+    );
     let fp = Fingerprint::compute(FingerprintMode::Bytes, "POST", "/", None, None, b"x");
     let a = OwnerToken::mint();
     store
         .claim(
-            &tenant,
-            &key,
+            &record,
             &fp,
             a,
             Duration::from_millis(50),
@@ -341,12 +340,11 @@ async fn racing_takeovers_have_exactly_one_winner() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut tasks = Vec::new();
     for _ in 0..8 {
-        let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
+        let (store, record) = (store.clone(), record.clone());
         tasks.push(tokio::spawn(async move {
             store
                 .replace(
-                    &tenant,
-                    &key,
+                    &record,
                     &fp,
                     OwnerToken::mint(),
                     Replace::TakeOver(a),

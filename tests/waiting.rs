@@ -153,8 +153,10 @@ async fn waiter_takes_over_when_the_original_lease_expires() {
     );
     store
         .claim(
-            &idemproxy::idempotency::TenantId::none(),
-            &idemproxy::idempotency::IdempotencyKey::parse(b"k-dead-owner", 255).unwrap(),
+            &idemproxy::idempotency::RecordKey::new(
+                idemproxy::idempotency::TenantId::none(),
+                idemproxy::idempotency::IdempotencyKey::parse(b"k-dead-owner", 255).unwrap(),
+            ),
             &fp,
             idemproxy::idempotency::OwnerToken::mint(),
             Duration::from_millis(400),

@@ -14,6 +14,28 @@ use sha2::{Digest, Sha256};
 
 use super::{IdempotencyKey, TenantId};
 
+/// A record's address in the store: the tenant and the key, which together
+/// scope every record (two tenants may use the same key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    /// The tenant as stored (hashed on `tenant_hash` routes).
+    pub tenant: TenantId,
+    /// The idempotency key.
+    pub key: IdempotencyKey,
+}
+
+impl RecordKey {
+    /// The record of `key` for `tenant`.
+    pub fn new(tenant: TenantId, key: IdempotencyKey) -> Self {
+        RecordKey { tenant, key }
+    }
+
+    /// Its digest.
+    pub fn id(&self) -> KeyId {
+        KeyId::new(&self.tenant, &self.key)
+    }
+}
+
 /// SHA-256 of a tenant and a key.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KeyId([u8; 32]);

@@ -14,5 +14,5 @@ pub use decision::{
 };
 pub use fingerprint::{Fingerprint, FingerprintMode};
 pub use key::{IdempotencyKey, KeyError};
-pub use key_id::KeyId;
+pub use key_id::{KeyId, RecordKey};
 pub use tenant::{TenantError, TenantId};

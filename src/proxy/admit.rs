@@ -24,7 +24,7 @@ use hyper::body::Incoming;
 use super::problem::{Problem, ProblemKind};
 use super::{ClientInfo, Handled, Proxy};
 use crate::config::{DerivedKey, KeyRequirement, Policy, Route};
-use crate::idempotency::{Fingerprint, IdempotencyKey, KeyError, KeyId, TenantError, TenantId};
+use crate::idempotency::{Fingerprint, IdempotencyKey, KeyError, RecordKey, TenantError, TenantId};
 use crate::metrics::Outcome;
 
 /// What admission made of a request.
@@ -42,10 +42,8 @@ pub(super) enum Admission<'a> {
 pub(super) struct Keyed<'a> {
     /// The route that keys it.
     pub(super) route: &'a Route,
-    /// The key, as the client sent it (unquoted).
-    pub(super) key: IdempotencyKey,
-    /// The tenant that scopes the key.
-    pub(super) tenant: TenantId,
+    /// The tenant and the key (as the client sent it, unquoted).
+    pub(super) record: RecordKey,
     /// What a duplicate must match.
     pub(super) fingerprint: Fingerprint,
     /// The request head, forwarded as received (less hop-by-hop headers).
@@ -83,15 +81,17 @@ impl Keyed<'_> {
 
     /// The key's id on the notification channel.
     pub(super) fn wait_id(&self) -> String {
-        KeyId::new(&self.tenant, &self.key).to_string()
+        self.record.id().to_string()
     }
 
     /// The key forwarded in `derived_key_header`.
     pub(super) fn derived_key(&self) -> Option<(HeaderName, HeaderValue)> {
         let header = self.route.policy.derived_key_header.clone()?;
         let value = match self.route.policy.derived_key {
-            DerivedKey::Sha256 => KeyId::new(&self.tenant, &self.key).hex(),
-            DerivedKey::TenantKey => format!("{}:{}", self.tenant.as_str(), self.key),
+            DerivedKey::Sha256 => self.record.id().hex(),
+            DerivedKey::TenantKey => {
+                format!("{}:{}", self.record.tenant.as_str(), self.record.key)
+            }
         };
         Some((header, HeaderValue::from_str(&value).ok()?))
     }
@@ -132,8 +132,7 @@ impl Proxy {
         );
         Admission::Keyed(Keyed {
             route,
-            key,
-            tenant,
+            record: RecordKey::new(tenant, key),
             fingerprint,
             parts,
             body,

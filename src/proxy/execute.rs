@@ -30,7 +30,7 @@ use super::problem::{Forwarded, Problem};
 use super::upstream::{self, UpstreamError};
 use super::{full, set_expires, Handled, Proxy};
 use crate::backoff::Backoff;
-use crate::idempotency::{settle, IdempotencyKey, Settlement, TenantId, UpstreamOutcome};
+use crate::idempotency::{settle, RecordKey, Settlement, UpstreamOutcome};
 use crate::lease::Renewal;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{Claim, Store, StoredResponse};
@@ -99,9 +99,7 @@ impl Proxy {
         // The lease is renewed while the call is in flight and on until the
         // response is stored: an owner holding the answer must not lose its
         // key to a retry because the database was slow to take it.
-        let renewal = self
-            .renewer
-            .hold(&k.tenant, &k.key, claim.owner, policy.lease);
+        let renewal = self.renewer.hold(&k.record, claim.owner, policy.lease);
         let result = bounded.await;
         let elapsed = started.elapsed();
         self.metrics.upstream(elapsed);
@@ -140,7 +138,7 @@ impl Proxy {
             }
             Ok(Exchanged::TooLarge(parts, prefix, rest)) => {
                 warn!(
-                    key = %k.key,
+                    key = %k.record.key,
                     status = parts.status.as_u16(),
                     limit = max_stored,
                     "response body exceeds max_stored_response: passed on, stored without its body; replays will get 502 response-not-stored"
@@ -182,7 +180,7 @@ impl Proxy {
             // With no response there is nothing to complete: anything but a
             // release leaves the claim to expire with its lease.
             Settlement::KeepInFlight | Settlement::Complete => {
-                warn!(key = %k.key, attempt = claim.attempt, error = %e, "outcome unknown: the claim stays in flight until its lease expires");
+                warn!(key = %k.record.key, attempt = claim.attempt, error = %e, "outcome unknown: the claim stays in flight until its lease expires");
                 Handled::problem(problem, Outcome::Claimed)
             }
         }
@@ -205,8 +203,7 @@ impl Proxy {
                 k,
                 "complete",
                 self.store.complete(
-                    &k.tenant,
-                    &k.key,
+                    &k.record,
                     claim.owner,
                     &stored,
                     retention,
@@ -224,21 +221,20 @@ impl Proxy {
             Ok(None) => {
                 self.metrics.lost_lease();
                 warn!(
-                    key = %k.key,
+                    key = %k.record.key,
                     attempt = claim.attempt,
                     "lease lost: another attempt owns this key now; this response goes to its client but is not stored"
                 );
                 (Outcome::LostLease, None)
             }
             Err(e) => {
-                warn!(key = %k.key, error = %e, "could not store the response; retrying in the background");
+                warn!(key = %k.record.key, error = %e, "could not store the response; retrying in the background");
                 // Work of the lifecycle: the drain waits for it.
                 self.lifecycle.spawn_work(retry_completion(
                     self.store.clone(),
                     self.metrics.clone(),
                     Completion {
-                        tenant: k.tenant.clone(),
-                        key: k.key.clone(),
+                        record: k.record.clone(),
                         claim,
                         stored,
                         retention,
@@ -259,14 +255,14 @@ impl Proxy {
                 k,
                 "release",
                 self.store
-                    .release(&k.tenant, &k.key, claim.owner, wait_id.as_deref()),
+                    .release(&k.record, claim.owner, wait_id.as_deref()),
             )
             .await;
         if let Some(id) = &wait_id {
             self.waiters.wake(id);
         }
         if let Err(e) = result {
-            warn!(key = %k.key, error = %e, "could not release the claim; it will expire with its lease");
+            warn!(key = %k.record.key, error = %e, "could not release the claim; it will expire with its lease");
         }
     }
 }
@@ -289,8 +285,7 @@ async fn read_limited(resp: Response<Incoming>, limit: u64) -> Result<Exchanged,
 
 /// A response to store for an owned claim.
 struct Completion {
-    tenant: TenantId,
-    key: IdempotencyKey,
+    record: RecordKey,
     claim: Claim,
     stored: StoredResponse,
     retention: Duration,
@@ -316,8 +311,7 @@ async fn retry_completion(
         backoff.wait().await;
         let result = store
             .complete(
-                &c.tenant,
-                &c.key,
+                &c.record,
                 c.claim.owner,
                 &c.stored,
                 c.retention,
@@ -326,18 +320,18 @@ async fn retry_completion(
             .await;
         match result {
             Ok(Some(_)) => {
-                info!(key = %c.key, "stored the response after a retry");
+                info!(key = %c.record.key, "stored the response after a retry");
                 return;
             }
             Ok(None) => {
                 metrics.lost_lease();
-                warn!(key = %c.key, attempt = c.claim.attempt, "lease lost before the response could be stored");
+                warn!(key = %c.record.key, attempt = c.claim.attempt, "lease lost before the response could be stored");
                 return;
             }
             Err(e) => {
-                tracing::debug!(key = %c.key, error = %e, "completion retry failed");
+                tracing::debug!(key = %c.record.key, error = %e, "completion retry failed");
             }
         }
     }
-    warn!(key = %c.key, "gave up storing the response; the claim will expire with its lease");
+    warn!(key = %c.record.key, "gave up storing the response; the claim will expire with its lease");
 }

@@ -65,8 +65,7 @@ impl Proxy {
                     k,
                     "claim",
                     self.store.claim(
-                        &k.tenant,
-                        &k.key,
+                        &k.record,
                         &k.fingerprint,
                         owner,
                         policy.lease,
@@ -107,7 +106,7 @@ impl Proxy {
     fn cached_replay(&self, k: &Keyed<'_>) -> Option<Handled> {
         // A completion is immutable until it expires: a warm replica
         // replays it without a round trip.
-        let c = self.cache.get(&k.tenant, &k.key)?;
+        let c = self.cache.get(&k.record)?;
         if c.fingerprint != k.fingerprint {
             // A mismatch is the database's to answer.
             return None;
@@ -128,8 +127,7 @@ impl Proxy {
                 response: Arc::new(response),
                 expires_at: existing.view.expires_at,
             };
-            self.cache
-                .put(&k.tenant, &k.key, cached, existing.now, ticket);
+            self.cache.put(&k.record, cached, existing.now, ticket);
         }
         h
     }
@@ -183,8 +181,7 @@ impl Proxy {
                 k,
                 "replace",
                 self.store.replace(
-                    &k.tenant,
-                    &k.key,
+                    &k.record,
                     &k.fingerprint,
                     owner,
                     replace,
@@ -196,7 +193,7 @@ impl Proxy {
         if let (Some(claim), Replace::TakeOver(previous)) = (&claim, replace) {
             self.metrics.takeover();
             warn!(
-                key = %k.key,
+                key = %k.record.key,
                 attempt = claim.attempt,
                 previous_owner = %previous.as_uuid(),
                 "took over a claim whose lease expired; forwarding again"
@@ -227,7 +224,7 @@ impl Proxy {
     async fn store_failed(&self, k: &Keyed<'_>, e: StoreError) -> Handled {
         match self.config.store.on_store_error {
             OnStoreError::Reject => {
-                warn!(key = %k.key, error = %e, "store unavailable: refusing the keyed request (fail closed)");
+                warn!(key = %k.record.key, error = %e, "store unavailable: refusing the keyed request (fail closed)");
                 Handled::problem(
                     Problem::new(
                         ProblemKind::StoreUnavailable,
@@ -239,7 +236,7 @@ impl Proxy {
             }
             OnStoreError::PassThrough => {
                 warn!(
-                    key = %k.key,
+                    key = %k.record.key,
                     error = %e,
                     "store unavailable: forwarding UNPROTECTED (on_store_error = pass_through); a retry may execute twice"
                 );
@@ -279,7 +276,7 @@ fn mismatch(k: &Keyed<'_>) -> Handled {
             ProblemKind::KeyReused,
             format!(
                 "the key {} was first used with a different request (method, path, query or body)",
-                k.key
+                k.record.key
             ),
         ),
         Outcome::Mismatch,

@@ -189,7 +189,7 @@ impl Proxy {
             Admission::PassThrough(req) => self.pass_through(req, client).await,
             Admission::Refused(h) => h,
             Admission::Keyed(k) => {
-                key_for_log = Some(k.key.clone());
+                key_for_log = Some(k.record.key.clone());
                 let h = self.keyed(&k).await;
                 let (store_ms, upstream_ms) = k.timings.millis();
                 timings = (Some(store_ms), Some(upstream_ms));

@@ -14,9 +14,7 @@ use super::{
     StoredResponse,
 };
 use crate::config::StoreConfig;
-use crate::idempotency::{
-    Fingerprint, IdempotencyKey, OwnerToken, RecordState, RecordView, TenantId,
-};
+use crate::idempotency::{Fingerprint, OwnerToken, RecordKey, RecordState, RecordView};
 
 /// One claim to renew.
 #[derive(Debug, Clone)]
@@ -35,8 +33,7 @@ impl Store {
     /// Claims a new key, or returns the record it already has.
     pub async fn claim(
         &self,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
+        record: &RecordKey,
         fingerprint: &Fingerprint,
         owner: OwnerToken,
         lease: Duration,
@@ -49,8 +46,8 @@ impl Store {
             // takes a new snapshot that sees it.
             for _ in 0..3 {
                 let item = ClaimItem {
-                    tenant: tenant.as_str().to_owned(),
-                    key: key.as_str().to_owned(),
+                    tenant: record.tenant.as_str().to_owned(),
+                    key: record.key.as_str().to_owned(),
                     fingerprint: *fingerprint.as_bytes(),
                     owner: owner.as_uuid(),
                     lease_ms: millis(lease),
@@ -76,11 +73,9 @@ impl Store {
 
     /// Replaces an expired owner with `owner`. `None`: the record changed
     /// since it was read (someone else took over, or it completed).
-    #[allow(clippy::too_many_arguments)]
     pub async fn replace(
         &self,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
+        record: &RecordKey,
         fingerprint: &Fingerprint,
         owner: OwnerToken,
         replace: Replace,
@@ -90,8 +85,8 @@ impl Store {
         self.bounded(async {
             let conn = self.conn().await?;
             let (tenant, key, fp, owner_id) = (
-                tenant.as_str(),
-                key.as_str(),
+                record.tenant.as_str(),
+                record.key.as_str(),
                 &fingerprint.as_bytes()[..],
                 owner.as_uuid(),
             );
@@ -136,8 +131,7 @@ impl Store {
     /// otherwise when the record expires.
     pub async fn complete(
         &self,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
+        record: &RecordKey,
         owner: OwnerToken,
         response: &StoredResponse,
         retention: Duration,
@@ -145,8 +139,8 @@ impl Store {
     ) -> Result<Option<SystemTime>, StoreError> {
         self.bounded(async {
             let item = CompleteItem {
-                tenant: tenant.as_str().to_owned(),
-                key: key.as_str().to_owned(),
+                tenant: record.tenant.as_str().to_owned(),
+                key: record.key.as_str().to_owned(),
                 owner: owner.as_uuid(),
                 retention_ms: millis(retention),
                 status: i16::try_from(response.status)
@@ -168,14 +162,13 @@ impl Store {
     /// Extends the lease; `false` if the fence refused it (lease lost).
     pub async fn renew(
         &self,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
+        record: &RecordKey,
         owner: OwnerToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let item = RenewItem {
-            tenant: tenant.as_str().to_owned(),
-            key: key.as_str().to_owned(),
+            tenant: record.tenant.as_str().to_owned(),
+            key: record.key.as_str().to_owned(),
             owner: owner.as_uuid(),
             lease_ms: millis(lease),
         };
@@ -210,14 +203,14 @@ impl Store {
     /// Deletes our in-flight claim; `false` if we no longer owned it.
     pub async fn release(
         &self,
-        tenant: &TenantId,
-        key: &IdempotencyKey,
+        record: &RecordKey,
         owner: OwnerToken,
         notify: Option<&str>,
     ) -> Result<bool, StoreError> {
         self.bounded(async {
             let conn = self.conn().await?;
-            let (tenant, key, owner) = (tenant.as_str(), key.as_str(), owner.as_uuid());
+            let (tenant, key, owner) =
+                (record.tenant.as_str(), record.key.as_str(), owner.as_uuid());
             let n = match notify {
                 None => {
                     conn.execute(&sql::RELEASE, &[&tenant, &key, &owner])

@@ -530,7 +530,7 @@ pub async fn claim_in_flight(
     retention: Duration,
 ) -> idemproxy::idempotency::OwnerToken {
     use idemproxy::idempotency::{
-        Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, TenantId,
+        Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, RecordKey, TenantId,
     };
     use idemproxy::store::ClaimResult;
     let fp = Fingerprint::compute(
@@ -544,8 +544,10 @@ pub async fn claim_in_flight(
     let owner = OwnerToken::mint();
     let result = store
         .claim(
-            &TenantId::from_stored(tenant),
-            &IdempotencyKey::parse(key.as_bytes(), 255).unwrap(),
+            &RecordKey::new(
+                TenantId::from_stored(tenant),
+                IdempotencyKey::parse(key.as_bytes(), 255).unwrap(),
+            ),
             &fp,
             owner,
             lease,
