@@ -8,6 +8,7 @@
 //! and the shared-server test databases live there).
 #![allow(dead_code, unreachable_pub)]
 
+pub mod chaos;
 pub mod pgbouncer;
 pub mod pgcluster;
 pub mod slowlink;
