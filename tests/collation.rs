@@ -132,7 +132,7 @@ async fn renewals_and_batched_completions_over_mixed_case_tenants_never_deadlock
         .map(|c| {
             let urls = urls.clone();
             tokio::spawn(async move {
-                let mut rng = Rng::new(0xC011_A7E ^ c as u64);
+                let mut rng = Rng::new(0x0C01_1A7E ^ c as u64);
                 let http = HttpClient::new();
                 let mut outcomes = BTreeMap::<String, u64>::new();
                 let mut n = 0u64;
