@@ -1,50 +1,161 @@
-//! The admin listener: `/healthz` (alive), `/readyz` (database reachable,
-//! schema current, not draining) and `/metrics` (Prometheus text).
+//! The admin listener: `/healthz` (alive), `/readyz` (this process can take
+//! traffic), `/readyz/store` (the store is reachable and its schema
+//! current) and `/metrics` (Prometheus text).
+//!
+//! `/readyz` never depends on the shared store (DESIGN.md §8.1). Every
+//! replica shares one database: if readiness followed it, a store outage
+//! would pull every replica out of its Service at once, taking down the
+//! pass-through traffic that needs no store and leaving
+//! `on_store_error = "pass_through"` nothing to act on. Keyed requests
+//! already answer 503 while the store is away. So `/readyz` is 200 from the
+//! moment the listeners are up until draining starts, and its body only
+//! names the store's last known state; `/readyz/store` is the check for
+//! operators and start-up gates that do want the store.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
+use tokio_util::sync::CancellationToken;
 
+use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::proxy::{full, ClientInfo, ProxyBody};
 use crate::server::Handler;
 use crate::store::Store;
 
-/// State the admin endpoints report.
-pub struct Admin {
+/// How often the store's state is checked in the background (for the
+/// `/readyz` body and `idemproxy_store_up`).
+const CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// The store's state as last seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreState {
+    /// Not checked yet.
+    Unknown,
+    /// Reachable, schema current.
+    Up,
+    /// Reachable, migrations pending.
+    SchemaPending,
+    /// Unreachable or failing.
+    Down,
+}
+
+impl StoreState {
+    fn describe(self) -> &'static str {
+        match self {
+            StoreState::Unknown => "store: not checked yet",
+            StoreState::Up => "store: up",
+            StoreState::SchemaPending => {
+                "store: schema not current (migrations pending); keyed requests get 503"
+            }
+            StoreState::Down => "store: unreachable; keyed requests get 503",
+        }
+    }
+}
+
+/// Checks the store and remembers what it found.
+pub struct StoreHealth {
     store: Store,
     metrics: Arc<Metrics>,
-    draining: Arc<AtomicBool>,
+    state: AtomicU8,
+}
+
+impl StoreHealth {
+    /// Nothing checked yet.
+    pub fn new(store: Store, metrics: Arc<Metrics>) -> Self {
+        StoreHealth {
+            store,
+            metrics,
+            state: AtomicU8::new(StoreState::Unknown as u8),
+        }
+    }
+
+    /// The last state seen.
+    pub fn last(&self) -> StoreState {
+        match self.state.load(Ordering::Relaxed) {
+            x if x == StoreState::Up as u8 => StoreState::Up,
+            x if x == StoreState::SchemaPending as u8 => StoreState::SchemaPending,
+            x if x == StoreState::Down as u8 => StoreState::Down,
+            _ => StoreState::Unknown,
+        }
+    }
+
+    /// Checks now (bounded by `store.timeout`); the error, if any, for the
+    /// operator.
+    pub async fn check(&self) -> (StoreState, Option<String>) {
+        let (state, error) = match self.store.ready().await {
+            Ok(true) => (StoreState::Up, None),
+            Ok(false) => (StoreState::SchemaPending, None),
+            Err(e) => (StoreState::Down, Some(e.to_string())),
+        };
+        self.state.store(state as u8, Ordering::Relaxed);
+        self.metrics.store_up(state == StoreState::Up);
+        (state, error)
+    }
+
+    /// Checks every few seconds until `stop`.
+    pub async fn monitor(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            self.check().await;
+            tokio::select! {
+                () = tokio::time::sleep(CHECK_EVERY) => {}
+                () = stop.cancelled() => return,
+            }
+        }
+    }
+
+    fn store(&self) -> &Store {
+        &self.store
+    }
+}
+
+/// State the admin endpoints report.
+pub struct Admin {
+    health: Arc<StoreHealth>,
+    metrics: Arc<Metrics>,
+    lifecycle: Lifecycle,
 }
 
 impl Admin {
     /// Wires the admin endpoints.
-    pub fn new(store: Store, metrics: Arc<Metrics>, draining: Arc<AtomicBool>) -> Self {
+    pub fn new(health: Arc<StoreHealth>, metrics: Arc<Metrics>, lifecycle: Lifecycle) -> Self {
         Admin {
-            store,
+            health,
             metrics,
-            draining,
+            lifecycle,
         }
     }
 
-    async fn readiness(&self) -> (StatusCode, String) {
-        if self.draining.load(Ordering::SeqCst) {
+    fn readiness(&self) -> (StatusCode, String) {
+        let store = self.health.last().describe();
+        if self.lifecycle.draining() {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "not ready: draining\n".into(),
+                format!("not ready: draining\n{store}\n"),
             );
         }
-        match self.store.ready().await {
-            Ok(true) => (StatusCode::OK, "ready\n".into()),
-            Ok(false) => (
+        (StatusCode::OK, format!("ready\n{store}\n"))
+    }
+
+    async fn store_readiness(&self) -> (StatusCode, String) {
+        match self.health.check().await {
+            (StoreState::Up, _) => (StatusCode::OK, "store ready\n".into()),
+            (StoreState::SchemaPending, _) => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "not ready: database schema is not current (migrations pending)\n".into(),
+                "store not ready: database schema is not current (migrations pending)\n".into(),
             ),
-            Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
+            (_, error) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "store not ready: {}\n",
+                    error.as_deref().unwrap_or("unreachable")
+                ),
+            ),
         }
     }
 }
@@ -73,13 +184,18 @@ impl Handler for Admin {
         match req.uri().path() {
             "/healthz" => text(StatusCode::OK, "ok\n", "text/plain"),
             "/readyz" => {
-                let (status, body) = self.readiness().await;
+                let (status, body) = self.readiness();
+                text(status, body, "text/plain")
+            }
+            "/readyz/store" => {
+                let (status, body) = self.store_readiness().await;
                 text(status, body, "text/plain")
             }
             "/metrics" => {
-                let (size, available, waiting) = self.store.pool_status();
+                let store = self.health.store();
+                let (size, available, waiting) = store.pool_status();
                 self.metrics.pool(size, available, waiting);
-                for (op, batches, items, largest) in self.store.batch_stats() {
+                for (op, batches, items, largest) in store.batch_stats() {
                     self.metrics.batching(op, batches, items, largest);
                 }
                 text(

@@ -1,28 +1,31 @@
 //! Wiring: build every component from a [`Config`], run them, drain them.
 //!
 //! `serve` starts even when the database is unreachable: it listens,
-//! answers keyed requests with 503, reports not-ready, and keeps trying
-//! (with backoff) to connect and migrate.
+//! answers keyed requests with 503, passes the rest through, reports ready
+//! (readiness never depends on the shared store, DESIGN.md §8.1), and keeps
+//! trying (with backoff) to connect and migrate. Every task it spawns
+//! belongs to the [`Lifecycle`], which drains them on shutdown.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::admin::Admin;
+use crate::admin::{Admin, StoreHealth};
+use crate::backoff::Backoff;
 use crate::cache::ResponseCache;
 use crate::config::Config;
 use crate::lease::Renewer;
+use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::proxy::upstream::Upstream;
 use crate::proxy::Proxy;
-use crate::store::Store;
+use crate::store::{notify, Store};
 use crate::waiters::Waiters;
 use crate::{server, sweeper};
 
@@ -52,29 +55,36 @@ pub struct Running {
     pub admin_addr: SocketAddr,
     /// The process's metrics.
     pub metrics: Arc<Metrics>,
-    draining: Arc<AtomicBool>,
-    stop_proxy: watch::Sender<bool>,
-    stop_admin: watch::Sender<bool>,
+    lifecycle: Lifecycle,
+    grace: Duration,
     proxy_task: JoinHandle<()>,
-    admin_task: JoinHandle<()>,
 }
 
 impl Running {
-    /// Drains: report not-ready, stop accepting, let in-flight requests
-    /// finish within the grace period, then stop the admin listener and the
-    /// background tasks.
-    pub async fn shutdown(self) {
-        self.draining.store(true, Ordering::SeqCst);
-        let _ = self.stop_proxy.send(true);
+    /// Drains: report not-ready, stop accepting, let open connections and
+    /// every request that owns a claim (its client gone or not) and every
+    /// background completion retry finish, all within
+    /// `server.shutdown_grace`; then stop the background tasks and the
+    /// admin listener. Returns whether all work finished in time.
+    pub async fn shutdown(self) -> bool {
+        let deadline = tokio::time::Instant::now() + self.grace;
+        self.lifecycle.start_drain();
         let _ = self.proxy_task.await;
-        let _ = self.stop_admin.send(true);
-        let _ = self.admin_task.await;
+        let finished = self.lifecycle.drain_work(deadline).await;
+        self.lifecycle.stop_background(Duration::from_secs(2)).await;
+        finished
+    }
+
+    /// The process's lifecycle (tests watch its work).
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
     }
 }
 
 /// Builds and starts everything.
 pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Running> {
     let config = Arc::new(config);
+    let lifecycle = Lifecycle::new();
     let store = Store::new(&config.store).context("building the database pool")?;
     let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
     let tls = match &config.server.tls {
@@ -97,36 +107,48 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         })?;
     let proxy_addr = proxy_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
-
-    let (stop_proxy, proxy_rx) = watch::channel(false);
-    let (stop_admin, admin_rx) = watch::channel(false);
-    let draining = Arc::new(AtomicBool::new(false));
+    let stop = lifecycle.stop_token();
 
     if options.migrate {
-        tokio::spawn(migrate_with_backoff(store.clone(), admin_rx.clone()));
+        lifecycle.spawn_background(migrate_with_backoff(store.clone(), stop.clone()));
     }
     if options.sweeper {
-        tokio::spawn(sweeper::run(
+        lifecycle.spawn_background(sweeper::run(
             store.clone(),
             metrics.clone(),
             config.sweeper.clone(),
-            admin_rx.clone(),
+            stop.clone(),
         ));
     }
+    let health = Arc::new(StoreHealth::new(store.clone(), metrics.clone()));
+    lifecycle.spawn_background(health.clone().monitor(stop.clone()));
 
     let waiters = Arc::new(Waiters::new(config.server.max_waiters));
     let cache = Arc::new(ResponseCache::new(
         config.store.response_cache,
         config.store.response_cache_ttl,
+        config.store.timeout,
     ));
     if config.routes.iter().any(|r| !r.policy.wait.is_zero()) || config.store.response_cache > 0 {
         // One listening connection per process: wake-ups for waiting
         // duplicates, invalidations for the response cache.
-        tokio::spawn(crate::waiters::listen(
-            store.clone(),
+        let (w1, c1, w2, c2) = (
             waiters.clone(),
             cache.clone(),
-            admin_rx.clone(),
+            waiters.clone(),
+            cache.clone(),
+        );
+        lifecycle.spawn_background(notify::listen(
+            store.clone(),
+            move |id| {
+                c1.invalidate(id);
+                w1.wake(id);
+            },
+            move || {
+                c2.clear();
+                w2.wake_all();
+            },
+            stop.clone(),
         ));
     }
     let shortest_lease = config
@@ -140,17 +162,19 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         metrics.clone(),
         crate::lease::tick_for(shortest_lease),
     ));
-    // Renewals go on through the drain: in-flight calls still need them.
-    tokio::spawn(renewer.clone().run(admin_rx.clone()));
+    // Renewals go on through the drain: owned calls still need them.
+    lifecycle.spawn_background(renewer.clone().run(stop.clone()));
     let proxy = Arc::new(Proxy::new(
         config.clone(),
-        store.clone(),
+        store,
         upstream,
         metrics.clone(),
         waiters,
         renewer,
         cache,
+        lifecycle.clone(),
     ));
+    let drain = lifecycle.drain_token();
     let proxy_task = tokio::spawn(server::serve_with(
         proxy_listener,
         proxy,
@@ -158,15 +182,15 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
             header_read_timeout: config.server.header_read_timeout,
             tls,
         },
-        proxy_rx,
+        cancelled(drain),
         config.server.shutdown_grace,
     ));
-    let admin = Arc::new(Admin::new(store, metrics.clone(), draining.clone()));
-    let admin_task = tokio::spawn(server::serve(
+    let admin = Arc::new(Admin::new(health, metrics.clone(), lifecycle.clone()));
+    lifecycle.spawn_background(server::serve(
         admin_listener,
         admin,
         config.server.header_read_timeout,
-        admin_rx,
+        cancelled(stop),
         Duration::from_secs(1),
     ));
     info!(%proxy_addr, %admin_addr, tls = config.server.tls.is_some(), upstream = %config.upstream.url, routes = config.routes.len(), "idemproxy listening");
@@ -174,18 +198,20 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         proxy_addr,
         admin_addr,
         metrics,
-        draining,
-        stop_proxy,
-        stop_admin,
+        lifecycle,
+        grace: config.server.shutdown_grace,
         proxy_task,
-        admin_task,
     })
+}
+
+async fn cancelled(token: CancellationToken) {
+    token.cancelled().await;
 }
 
 /// Applies migrations, retrying with capped exponential backoff until it
 /// succeeds or the process stops.
-async fn migrate_with_backoff(store: Store, mut shutdown: watch::Receiver<bool>) {
-    let mut delay = Duration::from_millis(200);
+async fn migrate_with_backoff(store: Store, stop: CancellationToken) {
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
         match store.migrate().await {
             Ok(applied) if applied.is_empty() => {
@@ -197,13 +223,12 @@ async fn migrate_with_backoff(store: Store, mut shutdown: watch::Receiver<bool>)
                 return;
             }
             Err(e) => {
-                warn!(error = %e, retry_in = ?delay, "database not ready for migrations; retrying");
+                warn!(error = %e, retry_in = ?backoff.peek(), "database not ready for migrations; retrying");
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = crate::server::stopped(&mut shutdown) => return,
+            () = backoff.wait() => {}
+            () = stop.cancelled() => return,
         }
-        delay = (delay * 2).min(Duration::from_secs(10));
     }
 }

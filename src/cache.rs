@@ -13,14 +13,21 @@
 //! notification that every replica's listener turns into an invalidation,
 //! so in practice it takes effect at once; the TTL covers a listener that
 //! was disconnected at that moment.
+//!
+//! A replay reads the record, then caches it. An invalidation that arrives
+//! between the two (the release committed after the read) must win, or the
+//! released response would be replayed from memory until the TTL. So a
+//! caller takes a [`Ticket`] before its read, and [`ResponseCache::put`]
+//! refuses an entry whose key was invalidated (or the cache cleared) since
+//! the ticket. Invalidations are remembered for `window` (the store's
+//! timeout bounds a read, so an older ticket is refused outright).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::idempotency::{Fingerprint, IdempotencyKey, TenantId};
+use crate::idempotency::{Fingerprint, IdempotencyKey, KeyId, TenantId};
 use crate::store::StoredResponse;
-use crate::waiters::key_id;
 
 /// A cached completion.
 #[derive(Debug, Clone)]
@@ -45,11 +52,25 @@ struct Entry {
 }
 
 struct Inner {
-    /// By key id ([`crate::waiters::key_id`]): what a notification names.
+    /// By key id (the channel form of [`KeyId`]): what a notification names.
     map: HashMap<String, Entry>,
     order: VecDeque<(String, u64)>,
     bytes: usize,
     generation: u64,
+    /// Counts invalidations and clears; a [`Ticket`] holds its value.
+    epoch: u64,
+    /// The epoch of the last clear.
+    cleared: u64,
+    /// Recent invalidations: key id → epoch, and the same in time order.
+    invalidated: HashMap<String, u64>,
+    invalidations: VecDeque<(String, u64, Instant)>,
+}
+
+/// Taken before reading a record that may be cached: see the module docs.
+#[derive(Debug, Clone, Copy)]
+pub struct Ticket {
+    epoch: u64,
+    at: Instant,
 }
 
 /// The cache. With a budget of 0 it holds nothing.
@@ -57,6 +78,7 @@ pub struct ResponseCache {
     inner: Mutex<Inner>,
     max_bytes: usize,
     ttl: Duration,
+    window: Duration,
 }
 
 /// What an entry costs in memory, allocator overhead included: the bytes,
@@ -68,17 +90,35 @@ fn size_of(tenant: &str, key: &str, r: &StoredResponse) -> usize {
 }
 
 impl ResponseCache {
-    /// A cache of at most `max_bytes`, entries at most `ttl` old.
-    pub fn new(max_bytes: u64, ttl: Duration) -> Self {
+    /// A cache of at most `max_bytes`, entries at most `ttl` old; a read
+    /// that may fill it lasts at most `window` (the store's timeout).
+    pub fn new(max_bytes: u64, ttl: Duration, window: Duration) -> Self {
         ResponseCache {
             inner: Mutex::new(Inner {
                 map: HashMap::new(),
                 order: VecDeque::new(),
                 bytes: 0,
                 generation: 0,
+                epoch: 0,
+                cleared: 0,
+                invalidated: HashMap::new(),
+                invalidations: VecDeque::new(),
             }),
             max_bytes: usize::try_from(max_bytes).unwrap_or(usize::MAX),
             ttl,
+            window,
+        }
+    }
+
+    /// A ticket for a read whose result may be [`put`](Self::put).
+    pub fn ticket(&self) -> Ticket {
+        Ticket {
+            epoch: if self.max_bytes == 0 {
+                0
+            } else {
+                self.lock().epoch
+            },
+            at: Instant::now(),
         }
     }
 
@@ -91,7 +131,7 @@ impl ResponseCache {
         if self.max_bytes == 0 {
             return None;
         }
-        let id = key_id(tenant, key);
+        let id = KeyId::new(tenant, key).to_string();
         let mut inner = self.lock();
         let entry = inner.map.get(&id)?;
         // The id is a digest: the entry must be this very tenant and key.
@@ -107,10 +147,18 @@ impl ResponseCache {
         None
     }
 
-    /// Remembers a completion. `now` is the database's clock at the time
+    /// Remembers a completion read under `ticket`, unless the key was
+    /// invalidated since. `now` is the database's clock at the time
     /// `expires_at` was read, so the remaining lifetime is measured on one
     /// clock.
-    pub fn put(&self, tenant: &TenantId, key: &IdempotencyKey, cached: Cached, now: SystemTime) {
+    pub fn put(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        cached: Cached,
+        now: SystemTime,
+        ticket: Ticket,
+    ) {
         let size = size_of(tenant.as_str(), key.as_str(), &cached.response);
         if self.max_bytes == 0 || size > self.max_bytes / 4 {
             // One entry may not crowd out the rest.
@@ -120,8 +168,17 @@ impl ResponseCache {
             return;
         };
         let until = Instant::now() + remaining.min(self.ttl);
-        let id = key_id(tenant, key);
+        let id = KeyId::new(tenant, key).to_string();
         let mut inner = self.lock();
+        let stale = ticket.at.elapsed() >= self.window
+            || ticket.epoch < inner.cleared
+            || inner
+                .invalidated
+                .get(&id)
+                .is_some_and(|&e| e > ticket.epoch);
+        if stale {
+            return;
+        }
         inner.generation += 1;
         let generation = inner.generation;
         if let Some(old) = inner.map.insert(
@@ -157,20 +214,43 @@ impl ResponseCache {
         }
     }
 
-    /// Drops the entry of a key id (its record changed elsewhere).
+    /// Drops the entry of a key id (its record changed elsewhere), and
+    /// keeps reads that started before from putting it back.
     pub fn invalidate(&self, id: &str) {
+        if self.max_bytes == 0 {
+            return;
+        }
+        let now = Instant::now();
         let mut inner = self.lock();
         if let Some(e) = inner.map.remove(id) {
             inner.bytes -= e.size;
         }
+        inner.epoch += 1;
+        let epoch = inner.epoch;
+        inner.invalidated.insert(id.to_owned(), epoch);
+        inner.invalidations.push_back((id.to_owned(), epoch, now));
+        // Forget invalidations no live ticket can predate.
+        while let Some((old, e, at)) = inner.invalidations.front() {
+            if now.duration_since(*at) < self.window {
+                break;
+            }
+            if inner.invalidated.get(old) == Some(e) {
+                let old = old.clone();
+                inner.invalidated.remove(&old);
+            }
+            inner.invalidations.pop_front();
+        }
     }
 
-    /// Drops everything (changes may have been missed).
+    /// Drops everything (changes may have been missed), and keeps reads
+    /// that started before from putting anything back.
     pub fn clear(&self) {
         let mut inner = self.lock();
         inner.map.clear();
         inner.order.clear();
         inner.bytes = 0;
+        inner.epoch += 1;
+        inner.cleared = inner.epoch;
     }
 
     /// Bytes held.
@@ -194,6 +274,8 @@ mod tests {
     use super::*;
     use bytes::Bytes;
 
+    const WINDOW: Duration = Duration::from_secs(2);
+
     fn key(s: &str) -> IdempotencyKey {
         IdempotencyKey::parse(s.as_bytes(), 255).unwrap()
     }
@@ -212,10 +294,16 @@ mod tests {
 
     #[test]
     fn a_cached_completion_is_returned_until_its_ttl() {
-        let c = ResponseCache::new(1 << 20, Duration::from_millis(50));
+        let c = ResponseCache::new(1 << 20, Duration::from_millis(50), WINDOW);
         let now = SystemTime::now();
         let t = TenantId::from_stored("acme");
-        c.put(&t, &key("k"), cached(10, Duration::from_secs(60), now), now);
+        c.put(
+            &t,
+            &key("k"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            c.ticket(),
+        );
         assert!(c.get(&t, &key("k")).is_some());
         assert!(
             c.get(&TenantId::from_stored("other"), &key("k")).is_none(),
@@ -228,7 +316,7 @@ mod tests {
 
     #[test]
     fn an_entry_never_outlives_its_record() {
-        let c = ResponseCache::new(1 << 20, Duration::from_secs(60));
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60), WINDOW);
         let now = SystemTime::now();
         let t = TenantId::none();
         c.put(
@@ -236,6 +324,7 @@ mod tests {
             &key("k"),
             cached(10, Duration::from_millis(30), now),
             now,
+            c.ticket(),
         );
         assert!(c.get(&t, &key("k")).is_some());
         std::thread::sleep(Duration::from_millis(40));
@@ -246,13 +335,14 @@ mod tests {
             &key("old"),
             cached(10, Duration::ZERO, now),
             now + Duration::from_secs(1),
+            c.ticket(),
         );
         assert!(c.get(&t, &key("old")).is_none());
     }
 
     #[test]
     fn the_byte_budget_evicts_oldest_first() {
-        let c = ResponseCache::new(16 * 1024, Duration::from_secs(60));
+        let c = ResponseCache::new(16 * 1024, Duration::from_secs(60), WINDOW);
         let now = SystemTime::now();
         let t = TenantId::none();
         for i in 0..40 {
@@ -261,6 +351,7 @@ mod tests {
                 &key(&format!("k{i}")),
                 cached(500, Duration::from_secs(60), now),
                 now,
+                c.ticket(),
             );
             assert!(c.bytes() <= 16 * 1024);
         }
@@ -272,30 +363,107 @@ mod tests {
             &key("big"),
             cached(5000, Duration::from_secs(60), now),
             now,
+            c.ticket(),
         );
         assert!(c.get(&t, &key("big")).is_none());
     }
 
     #[test]
     fn invalidation_by_key_id_drops_the_entry() {
-        let c = ResponseCache::new(1 << 20, Duration::from_secs(60));
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60), WINDOW);
         let now = SystemTime::now();
         let t = TenantId::from_stored("acme");
-        c.put(&t, &key("k"), cached(10, Duration::from_secs(60), now), now);
-        c.invalidate(&key_id(&t, &key("k")));
+        c.put(
+            &t,
+            &key("k"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            c.ticket(),
+        );
+        c.invalidate(&KeyId::new(&t, &key("k")).to_string());
         assert!(c.get(&t, &key("k")).is_none());
         assert_eq!(c.bytes(), 0);
     }
 
     #[test]
+    fn a_release_that_lands_between_a_read_and_its_put_wins() {
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60), WINDOW);
+        let now = SystemTime::now();
+        let t = TenantId::from_stored("acme");
+        // The replay reads the record…
+        let ticket = c.ticket();
+        // …an operator's release commits and its notification arrives…
+        c.invalidate(&KeyId::new(&t, &key("k")).to_string());
+        // …then the replay caches what it read: refused.
+        c.put(
+            &t,
+            &key("k"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            ticket,
+        );
+        assert!(c.get(&t, &key("k")).is_none());
+        // Other keys, and reads that start after the release, still cache.
+        c.put(
+            &t,
+            &key("other"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            ticket,
+        );
+        assert!(c.get(&t, &key("other")).is_some());
+        c.put(
+            &t,
+            &key("k"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            c.ticket(),
+        );
+        assert!(c.get(&t, &key("k")).is_some());
+    }
+
+    #[test]
+    fn a_clear_refuses_every_read_that_started_before_it() {
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60), WINDOW);
+        let now = SystemTime::now();
+        let ticket = c.ticket();
+        c.clear();
+        c.put(
+            &TenantId::none(),
+            &key("k"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            ticket,
+        );
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn a_ticket_older_than_the_window_is_refused() {
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60), Duration::from_millis(20));
+        let now = SystemTime::now();
+        let ticket = c.ticket();
+        std::thread::sleep(Duration::from_millis(30));
+        c.put(
+            &TenantId::none(),
+            &key("k"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            ticket,
+        );
+        assert!(c.is_empty());
+    }
+
+    #[test]
     fn a_zero_budget_holds_nothing() {
-        let c = ResponseCache::new(0, Duration::from_secs(60));
+        let c = ResponseCache::new(0, Duration::from_secs(60), WINDOW);
         let now = SystemTime::now();
         c.put(
             &TenantId::none(),
             &key("k"),
             cached(1, Duration::from_secs(60), now),
             now,
+            c.ticket(),
         );
         assert!(c.is_empty());
     }

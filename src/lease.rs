@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::idempotency::{IdempotencyKey, OwnerToken, TenantId};
@@ -176,7 +176,7 @@ impl Renewer {
     }
 
     /// Ticks until shutdown.
-    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut ticker = tokio::time::interval(self.tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -184,7 +184,7 @@ impl Renewer {
                 _ = ticker.tick() => {
                     self.renew_due().await;
                 }
-                () = crate::server::stopped(&mut shutdown) => return,
+                () = stop.cancelled() => return,
             }
         }
     }

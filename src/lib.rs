@@ -32,11 +32,13 @@
 
 pub mod admin;
 pub mod app;
+pub mod backoff;
 pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod idempotency;
 pub mod lease;
+pub mod lifecycle;
 pub mod metrics;
 pub mod proxy;
 pub mod sample_upstream;

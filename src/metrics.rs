@@ -89,6 +89,8 @@ pub struct Metrics {
     batches: Family<OpLabels, Gauge>,
     batched_items: Family<OpLabels, Gauge>,
     largest_batch: Family<OpLabels, Gauge>,
+    store_up: Gauge,
+    lost_leases: Counter,
 }
 
 impl Default for Metrics {
@@ -181,7 +183,21 @@ impl Metrics {
             "Largest group-commit batch since start, by operation",
             largest_batch.clone(),
         );
+        let store_up = Gauge::default();
+        registry.register(
+            "store_up",
+            "1 when the store answered its last check and its schema is current, else 0",
+            store_up.clone(),
+        );
+        let lost_leases = Counter::default();
+        registry.register(
+            "lost_leases",
+            "Responses the fence refused to store (the lease was lost), whether the request was still waiting or the completion was being retried in the background",
+            lost_leases.clone(),
+        );
         Metrics {
+            lost_leases,
+            store_up,
             batches,
             batched_items,
             largest_batch,
@@ -234,6 +250,16 @@ impl Metrics {
     /// The in-flight gauge.
     pub fn in_flight(&self) -> &Gauge {
         &self.in_flight
+    }
+
+    /// Records the outcome of the last store check.
+    pub fn store_up(&self, up: bool) {
+        self.store_up.set(i64::from(up));
+    }
+
+    /// Counts a completion refused by the fence.
+    pub fn lost_lease(&self) {
+        self.lost_leases.inc();
     }
 
     /// Counts a takeover.

@@ -26,7 +26,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
@@ -48,19 +47,21 @@ impl Handler for Proxy {
         req: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<ProxyBody> {
-        // Each request runs in a task of its own, not inside its
-        // connection's future: when a client gives up and closes the
-        // connection, hyper drops that future and everything polled by it.
-        // An owned claim must outlive its client: the upstream call goes on,
-        // the lease stays renewed and the response is stored, so the
-        // client's retry replays it instead of taking over an abandoned
-        // claim and executing the request a second time.
+        // A request that may own a claim runs as work of the lifecycle, in a
+        // task of its own, not inside its connection's future: when a client
+        // gives up and closes the connection, hyper drops that future and
+        // everything polled by it, and an owned claim must outlive its
+        // client (see `lifecycle`). The drain waits for these tasks.
         // Pass-through requests own nothing: they run inline, sparing the
         // hot path a task per request.
         if !self.may_claim(&req) {
             return self.handle(req, client).await;
         }
-        match tokio::spawn(async move { self.handle(req, client).await }).await {
+        let lifecycle = self.lifecycle().clone();
+        match lifecycle
+            .spawn_work(async move { self.handle(req, client).await })
+            .await
+        {
             Ok(response) => response,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // Cancelled: only when the runtime itself shuts down.
@@ -87,7 +88,7 @@ pub async fn serve<H: Handler>(
     listener: TcpListener,
     handler: Arc<H>,
     header_read_timeout: Duration,
-    shutdown: watch::Receiver<bool>,
+    shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) {
     let options = ListenerOptions {
@@ -97,14 +98,15 @@ pub async fn serve<H: Handler>(
     serve_with(listener, handler, options, shutdown, grace).await;
 }
 
-/// Serves `listener` until `shutdown` flips to true, then stops accepting
-/// (the listener is closed at once, so new connections are refused) and
-/// gives open connections up to `grace` to finish their requests.
+/// Serves `listener` until `shutdown` resolves, then stops accepting (the
+/// listener is closed at once, so new connections are refused) and gives
+/// open connections up to `grace` to finish their requests. (Work a request
+/// handed to the lifecycle is waited for there, not here.)
 pub async fn serve_with<H: Handler>(
     listener: TcpListener,
     handler: Arc<H>,
     options: ListenerOptions,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -114,6 +116,7 @@ pub async fn serve_with<H: Handler>(
         .header_read_timeout(options.header_read_timeout);
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -147,7 +150,7 @@ pub async fn serve_with<H: Handler>(
                     }
                 }
             }
-            () = stopped(&mut shutdown) => break,
+            () = &mut shutdown => break,
         }
     }
     drop(listener);
@@ -249,9 +252,4 @@ impl<H: Handler> Connection<H> {
             debug!(error = %e, client = %addr, "connection ended with an error");
         }
     }
-}
-
-/// Resolves once `shutdown` is true (or its sender is gone).
-pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
 }

@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::SweeperConfig;
@@ -80,16 +80,16 @@ pub async fn run(
     store: Store,
     metrics: std::sync::Arc<Metrics>,
     config: SweeperConfig,
-    mut shutdown: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) {
     loop {
         tokio::select! {
             () = tokio::time::sleep(config.interval) => {}
-            () = crate::server::stopped(&mut shutdown) => return,
+            () = stop.cancelled() => return,
         }
         let result = tokio::select! {
             r = sweep_configured(&store, &metrics, &config) => r,
-            () = crate::server::stopped(&mut shutdown) => return,
+            () = stop.cancelled() => return,
         };
         match result {
             Ok(0) => debug!("sweeper: nothing expired"),

@@ -8,41 +8,16 @@
 //! the local waiters of that key. A completion on this process also wakes
 //! its own waiters directly, without the round trip.
 //!
-//! Channel payloads name a key by a digest of `(tenant, key)`: nothing
-//! about a tenant or its keys travels in clear, and the payload has a fixed
-//! size far below PostgreSQL's limit.
+//! Channel payloads name a key by its [`KeyId`](crate::idempotency::KeyId):
+//! nothing about a tenant or its keys travels in clear, and the payload has
+//! a fixed size far below PostgreSQL's limit. The listening connection is
+//! [`crate::store::notify`]'s; this module is only the in-memory registry.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
-use sha2::{Digest, Sha256};
-use tokio::sync::{watch, Notify};
-use tokio_postgres::AsyncMessage;
-use tracing::{info, warn};
-
-use crate::cache::ResponseCache;
-use crate::idempotency::{IdempotencyKey, TenantId};
-use crate::store::Store;
-
-/// The notification channel.
-pub const CHANNEL: &str = "idemproxy_keys";
-
-/// Names a key on the channel: hex of the first 16 bytes of
-/// SHA-256(tenant, 0, key).
-pub fn key_id(tenant: &TenantId, key: &IdempotencyKey) -> String {
-    raw_key_id(tenant.as_str(), key.as_str())
-}
-
-/// [`key_id`] of a stored tenant and key given as text (operators' tools).
-pub fn raw_key_id(tenant: &str, key: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(tenant.as_bytes());
-    h.update([0]);
-    h.update(key.as_bytes());
-    hex::encode(&h.finalize()[..16])
-}
+use tokio::sync::Notify;
 
 /// The process's waiting duplicates, bounded.
 pub struct Waiters {
@@ -55,7 +30,8 @@ pub struct Waiters {
 pub struct WaitGuard<'a> {
     waiters: &'a Waiters,
     id: String,
-    notify: Arc<Notify>,
+    /// `None` only during drop.
+    notify: Option<Arc<Notify>>,
 }
 
 impl WaitGuard<'_> {
@@ -63,7 +39,7 @@ impl WaitGuard<'_> {
     /// reading the record: tokio guarantees it then sees every wake-up sent
     /// after its creation, so none falls between the read and the sleep.
     pub fn notify(&self) -> Arc<Notify> {
-        self.notify.clone()
+        self.notify.clone().unwrap_or_default()
     }
 }
 
@@ -71,8 +47,15 @@ impl Drop for WaitGuard<'_> {
     fn drop(&mut self) {
         self.waiters.count.fetch_sub(1, Ordering::SeqCst);
         let mut keys = self.waiters.lock();
-        // The map holds one reference and this guard another: last waiter.
-        if Arc::strong_count(&self.notify) == 2 {
+        // Our reference goes while the lock is held, so that of two guards
+        // dropping at once the second sees the first's gone: the last one
+        // out finds the map's reference alone and removes the entry.
+        // (Registration clones under the same lock.)
+        drop(self.notify.take());
+        if keys
+            .get(&self.id)
+            .is_some_and(|n| Arc::strong_count(n) == 1)
+        {
             keys.remove(&self.id);
         }
     }
@@ -103,7 +86,7 @@ impl Waiters {
         Some(WaitGuard {
             waiters: self,
             id,
-            notify,
+            notify: Some(notify),
         })
     }
 
@@ -128,76 +111,36 @@ impl Waiters {
     }
 }
 
-/// Listens on the channel, wakes local waiters of a changed key and drops
-/// it from the response cache (an operator's release), reconnecting with
-/// backoff until shutdown.
-pub async fn listen(
-    store: Store,
-    waiters: Arc<Waiters>,
-    cache: Arc<ResponseCache>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match store.connect_dedicated().await {
-            Ok((client, mut connection)) => {
-                let pump = async {
-                    loop {
-                        match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
-                            Some(Ok(AsyncMessage::Notification(n))) => {
-                                cache.invalidate(n.payload());
-                                waiters.wake(n.payload());
-                            }
-                            Some(Ok(_)) => {}
-                            Some(Err(e)) => return e.to_string(),
-                            None => return "connection closed".to_string(),
-                        }
-                    }
-                };
-                let subscribe = async {
-                    match client.batch_execute(&format!("LISTEN {CHANNEL}")).await {
-                        Ok(()) => {
-                            info!("listening for key completions");
-                            // Anything that changed while we were away.
-                            cache.clear();
-                            waiters.wake_all();
-                            std::future::pending::<()>().await;
-                        }
-                        Err(e) => warn!(error = %e, "LISTEN failed"),
-                    }
-                };
-                tokio::select! {
-                    reason = pump => {
-                        warn!(%reason, "completion listener lost its connection; reconnecting");
-                        delay = Duration::from_millis(100);
-                    }
-                    () = subscribe => {}
-                    () = crate::server::stopped(&mut shutdown) => return,
-                }
-                waiters.wake_all();
-            }
-            Err(e) => warn!(error = %e, retry_in = ?delay, "completion listener cannot connect"),
-        }
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = crate::server::stopped(&mut shutdown) => return,
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    use std::time::Duration;
+
     #[test]
-    fn key_ids_separate_tenants_and_keys() {
-        let k = |s: &str| IdempotencyKey::parse(s.as_bytes(), 255).unwrap();
-        let a = key_id(&TenantId::from_stored("a"), &k("b"));
-        assert_ne!(a, key_id(&TenantId::from_stored("ab"), &k("x")));
-        assert_ne!(a, key_id(&TenantId::from_stored("b"), &k("b")));
-        assert_eq!(a, key_id(&TenantId::from_stored("a"), &k("b")));
-        assert_eq!(a.len(), 32);
+    fn guards_of_one_key_dropping_at_once_leave_no_entry() {
+        // Many rounds of two threads dropping the two guards of one key at
+        // the same moment: the entry must always go with the last guard.
+        let w = Arc::new(Waiters::new(1024));
+        for round in 0..2_000 {
+            let id = format!("k{}", round % 7);
+            let barrier = Arc::new(std::sync::Barrier::new(2));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let (w, id, barrier) = (w.clone(), id.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let guard = w.register(id).unwrap();
+                        barrier.wait();
+                        drop(guard);
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert!(w.lock().is_empty(), "round {round}: entry leaked");
+            assert_eq!(w.waiting(), 0);
+        }
     }
 
     #[test]

@@ -314,9 +314,12 @@ async fn healthz_and_readyz_answer_200_when_the_database_is_up() {
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
 }
 
-// §6: `serve` starts with the database unreachable; it fails closed.
+// §6, §8.1: `serve` starts with the database unreachable; keyed requests
+// fail closed, but the process stays ready: readiness never follows the
+// shared store (a store outage must not pull every replica out of its
+// Service), and pass-through traffic keeps flowing.
 #[tokio::test]
-async fn unreachable_database_means_not_ready_and_503_without_forwarding() {
+async fn unreachable_database_keeps_readyz_but_not_readyz_store_and_503s_keyed_requests() {
     let h = common::Harness::start(
         Setup::default().database_url("postgres://postgres@127.0.0.1:1/nope"),
     )
@@ -325,17 +328,29 @@ async fn unreachable_database_means_not_ready_and_503_without_forwarding() {
     assert_eq!(health.status, StatusCode::OK);
 
     let t = Instant::now();
-    let ready = get(&h.admin_url("/readyz")).await;
+    let store_ready = get(&h.admin_url("/readyz/store")).await;
     assert_eq!(
-        ready.status,
+        store_ready.status,
         StatusCode::SERVICE_UNAVAILABLE,
         "{}",
-        ready.text()
+        store_ready.text()
     );
     assert!(
         t.elapsed() < Duration::from_secs(3),
-        "readyz took {:?}",
+        "readyz/store took {:?}",
         t.elapsed()
+    );
+    let ready = get(&h.admin_url("/readyz")).await;
+    assert_eq!(ready.status, StatusCode::OK, "{}", ready.text());
+    assert!(
+        ready.text().contains("store: unreachable"),
+        "{}",
+        ready.text()
+    );
+    let metrics = get(&h.admin_url("/metrics")).await.text();
+    assert!(
+        metrics.lines().any(|l| l == "idemproxy_store_up 0"),
+        "{metrics}"
     );
 
     let t = Instant::now();
@@ -362,6 +377,10 @@ async fn unreachable_database_means_not_ready_and_503_without_forwarding() {
         .metrics
         .request_count("default", idemproxy::metrics::Outcome::StoreError);
     assert_eq!(m, 1);
+    // Pass-through traffic needs no store.
+    let r = h.send(Req::get("/v1/payments/lookup")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+    assert_eq!(h.upstream.total_requests(), 1);
 }
 
 // §6: `serve` keeps retrying to connect and migrate.
@@ -375,7 +394,7 @@ async fn proxy_becomes_ready_once_its_database_appears() {
         url: url.clone(),
     };
     let h = common::Harness::start(Setup::default().database_url(&url)).await;
-    let ready = get(&h.admin_url("/readyz")).await;
+    let ready = get(&h.admin_url("/readyz/store")).await;
     assert_eq!(
         ready.status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -394,7 +413,7 @@ async fn proxy_becomes_ready_once_its_database_appears() {
 
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let r = get(&h.admin_url("/readyz")).await;
+        let r = get(&h.admin_url("/readyz/store")).await;
         if r.status == StatusCode::OK {
             break;
         }

@@ -1,7 +1,7 @@
 -- The database ceiling: idemproxy's own claim and completion statements,
 -- one key per transaction of this script, as two autocommit statements
 -- (two commits, like the proxy: the claim must commit before the upstream
--- is called). Copied from src/store/mod.rs (CLAIM_SQL, COMPLETE_SQL), with
+-- is called). Copied from src/store/sql/claim.sql and complete.sql, with
 -- the positional parameters renamed; bench/run warns when they drift.
 --
 -- bench/run passes (-D): tenant, fp (32-byte fingerprint), owner (uuid),

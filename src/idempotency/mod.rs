@@ -6,6 +6,7 @@
 pub mod decision;
 pub mod fingerprint;
 pub mod key;
+pub mod key_id;
 pub mod tenant;
 
 pub use decision::{
@@ -13,4 +14,5 @@ pub use decision::{
 };
 pub use fingerprint::{Fingerprint, FingerprintMode};
 pub use key::{IdempotencyKey, KeyError};
+pub use key_id::KeyId;
 pub use tenant::{TenantError, TenantId};

@@ -33,19 +33,20 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use tracing::{info, warn};
 
+use crate::backoff::Backoff;
 use crate::cache::{Cached, ResponseCache};
 use crate::config::{Config, DerivedKey, KeyRequirement, OnStoreError, Route};
 use crate::idempotency::decision::retry_after_secs;
 use crate::idempotency::{
-    decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, Settlement, TenantError,
-    TenantId, UpstreamOutcome,
+    decide, settle, Decision, Fingerprint, IdempotencyKey, KeyError, KeyId, Settlement,
+    TenantError, TenantId, UpstreamOutcome,
 };
 use crate::lease::{Renewal, Renewer};
+use crate::lifecycle::Lifecycle;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{Claim, ClaimResult, Replace, Store, StoreError, StoredResponse};
 use crate::waiters::{WaitGuard, Waiters};
 use problem::{Problem, ProblemKind};
-use sha2::{Digest, Sha256};
 use upstream::{Upstream, UpstreamError};
 
 /// Errors carried by proxied bodies.
@@ -121,20 +122,14 @@ impl Keyed<'_> {
 
     /// The key's id on the notification channel.
     fn wait_id(&self) -> String {
-        crate::waiters::key_id(&self.tenant, &self.key)
+        KeyId::new(&self.tenant, &self.key).to_string()
     }
 
     /// The key forwarded in `derived_key_header`.
     fn derived_key(&self) -> Option<(HeaderName, HeaderValue)> {
         let header = self.route.policy.derived_key_header.clone()?;
         let value = match self.route.policy.derived_key {
-            DerivedKey::Sha256 => {
-                let mut h = Sha256::new();
-                h.update(self.tenant.as_str().as_bytes());
-                h.update([0]);
-                h.update(self.key.as_str().as_bytes());
-                hex::encode(h.finalize())
-            }
+            DerivedKey::Sha256 => KeyId::new(&self.tenant, &self.key).hex(),
             DerivedKey::TenantKey => format!("{}:{}", self.tenant.as_str(), self.key),
         };
         Some((header, HeaderValue::from_str(&value).ok()?))
@@ -160,10 +155,12 @@ pub struct Proxy {
     waiters: Arc<Waiters>,
     renewer: Arc<Renewer>,
     cache: Arc<ResponseCache>,
+    lifecycle: Lifecycle,
 }
 
 impl Proxy {
     /// Wires the proxy.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: Arc<Config>,
         store: Store,
@@ -172,6 +169,7 @@ impl Proxy {
         waiters: Arc<Waiters>,
         renewer: Arc<Renewer>,
         cache: Arc<ResponseCache>,
+        lifecycle: Lifecycle,
     ) -> Self {
         Proxy {
             cache,
@@ -181,7 +179,13 @@ impl Proxy {
             metrics,
             waiters,
             renewer,
+            lifecycle,
         }
+    }
+
+    /// The lifecycle whose work this proxy's owned requests are.
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
     }
 
     /// Whether a request may end up owning a claim: a keyed method on a
@@ -369,6 +373,7 @@ impl Proxy {
             let notify = waiter.as_ref().map(WaitGuard::notify);
             let notified = notify.as_ref().map(|n| n.notified());
             let owner = crate::idempotency::OwnerToken::mint();
+            let ticket = self.cache.ticket();
             let result = self
                 .timed(
                     k,
@@ -398,7 +403,8 @@ impl Proxy {
                             response: Arc::new(response),
                             expires_at: existing.view.expires_at,
                         };
-                        self.cache.put(&k.tenant, &k.key, cached, existing.now);
+                        self.cache
+                            .put(&k.tenant, &k.key, cached, existing.now, ticket);
                     }
                     return h;
                 }
@@ -669,6 +675,7 @@ impl Proxy {
             // the cache on its first replay, read from the database.
             Ok(Some(expires)) => (Outcome::Claimed, Some(expires)),
             Ok(None) => {
+                self.metrics.lost_lease();
                 warn!(
                     key = %k.key,
                     attempt = claim.attempt,
@@ -678,16 +685,20 @@ impl Proxy {
             }
             Err(e) => {
                 warn!(key = %k.key, error = %e, "could not store the response; retrying in the background");
-                spawn_completion_retry(
+                // Work of the lifecycle: the drain waits for it.
+                self.lifecycle.spawn_work(retry_completion(
                     self.store.clone(),
-                    k.tenant.clone(),
-                    k.key.clone(),
-                    claim,
-                    stored,
-                    retention,
-                    wait_id,
+                    self.metrics.clone(),
+                    Completion {
+                        tenant: k.tenant.clone(),
+                        key: k.key.clone(),
+                        claim,
+                        stored,
+                        retention,
+                        wait_id,
+                    },
                     renewal,
-                );
+                ));
                 (Outcome::Claimed, None)
             }
         }
@@ -910,55 +921,59 @@ async fn read_limited(resp: Response<Incoming>, limit: u64) -> Result<Exchanged,
     Ok(Exchanged::Whole(parts, buf.freeze()))
 }
 
-/// Retries a failed completion in the background: the response is the
-/// truth of what the upstream did, and a completed record is what stops a
-/// second execution once the lease runs out.
-#[allow(clippy::too_many_arguments)]
-fn spawn_completion_retry(
-    store: Store,
+/// A response to store for an owned claim.
+struct Completion {
     tenant: TenantId,
     key: IdempotencyKey,
     claim: Claim,
     stored: StoredResponse,
     retention: Duration,
     wait_id: Option<String>,
+}
+
+/// Retries a failed completion in the background: the response is the
+/// truth of what the upstream did, and a completed record is what stops a
+/// second execution once the lease runs out. A lease lost meanwhile is
+/// counted like any other (`lost_lease`).
+async fn retry_completion(
+    store: Store,
+    metrics: Arc<Metrics>,
+    c: Completion,
     renewal: Option<Renewal>,
 ) {
-    tokio::spawn(async move {
-        // Renewed meanwhile: the first statement to land once the database
-        // is back keeps the key ours.
-        let _renewal = renewal;
-        let mut delay = Duration::from_millis(100);
-        let deadline = Instant::now() + Duration::from_secs(300);
-        while Instant::now() < deadline {
-            tokio::time::sleep(delay).await;
-            match store
-                .complete(
-                    &tenant,
-                    &key,
-                    claim.owner,
-                    &stored,
-                    retention,
-                    wait_id.as_deref(),
-                )
-                .await
-            {
-                Ok(Some(_)) => {
-                    info!(key = %key, "stored the response after a retry");
-                    return;
-                }
-                Ok(None) => {
-                    warn!(key = %key, "lease lost before the response could be stored");
-                    return;
-                }
-                Err(e) => {
-                    tracing::debug!(key = %key, error = %e, "completion retry failed");
-                    delay = (delay * 2).min(Duration::from_secs(1));
-                }
+    // Renewed meanwhile: the first statement to land once the database
+    // is back keeps the key ours.
+    let _renewal = renewal;
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while Instant::now() < deadline {
+        backoff.wait().await;
+        let result = store
+            .complete(
+                &c.tenant,
+                &c.key,
+                c.claim.owner,
+                &c.stored,
+                c.retention,
+                c.wait_id.as_deref(),
+            )
+            .await;
+        match result {
+            Ok(Some(_)) => {
+                info!(key = %c.key, "stored the response after a retry");
+                return;
+            }
+            Ok(None) => {
+                metrics.lost_lease();
+                warn!(key = %c.key, attempt = c.claim.attempt, "lease lost before the response could be stored");
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(key = %c.key, error = %e, "completion retry failed");
             }
         }
-        warn!(key = %key, "gave up storing the response; the claim will expire with its lease");
-    });
+    }
+    warn!(key = %c.key, "gave up storing the response; the claim will expire with its lease");
 }
 
 /// Runs a closure when dropped (the in-flight gauge must come down on every

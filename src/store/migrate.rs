@@ -10,6 +10,9 @@
 use sha2::{Digest, Sha256};
 use tokio_postgres::Client;
 
+use tokio_postgres::types::Type;
+
+use super::conn::{Conn, Sql};
 use super::StoreError;
 
 /// One migration file.
@@ -90,22 +93,19 @@ pub async fn run(client: &mut Client) -> Result<Vec<i32>, StoreError> {
 }
 
 /// Whether every migration this binary knows has been applied.
-pub async fn is_current(client: &Client) -> Result<bool, StoreError> {
-    let row = client
-        .query_one(
-            "SELECT to_regclass('idemproxy_schema_migrations') IS NOT NULL",
-            &[],
-        )
-        .await?;
-    if !row.get::<_, bool>(0) {
+pub(super) async fn is_current(conn: &Conn) -> Result<bool, StoreError> {
+    const TABLE: Sql = Sql {
+        text: "SELECT to_regclass('idemproxy_schema_migrations') IS NOT NULL",
+        types: &[],
+    };
+    const APPLIED: Sql = Sql {
+        text: "SELECT count(*) FROM idemproxy_schema_migrations WHERE version <= $1",
+        types: &[Type::INT4],
+    };
+    if !conn.query_one(&TABLE, &[]).await?.get::<_, bool>(0) {
         return Ok(false);
     }
-    let row = client
-        .query_one(
-            "SELECT count(*) FROM idemproxy_schema_migrations WHERE version <= $1",
-            &[&latest_version()],
-        )
-        .await?;
+    let row = conn.query_one(&APPLIED, &[&latest_version()]).await?;
     Ok(row.get::<_, i64>(0) == MIGRATIONS.len() as i64)
 }
 

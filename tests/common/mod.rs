@@ -396,7 +396,7 @@ pub async fn wait_ready(admin: SocketAddr) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let r = client
-            .send(Req::get(&format!("http://{admin}/readyz")))
+            .send(Req::get(&format!("http://{admin}/readyz/store")))
             .await;
         if r.status == StatusCode::OK {
             return;

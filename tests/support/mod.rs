@@ -553,7 +553,8 @@ impl ProxyProc {
         }
     }
 
-    /// Starts the process and waits until `/readyz` answers 200.
+    /// Starts the process and waits until `/readyz/store` answers 200 (the
+    /// store reachable and migrated: keyed requests can succeed).
     pub async fn start(dir: &TempDir, name: &str, config: &ProxyConfig) -> ProxyProc {
         let p = ProxyProc::spawn(dir, name, config);
         p.wait_ready(Duration::from_secs(20)).await;
@@ -583,21 +584,17 @@ impl ProxyProc {
         .ok()
     }
 
-    /// Waits until the process can take keyed traffic: `/readyz/store`
-    /// answers 200 (DESIGN §8.1), or, from a build without that endpoint
-    /// (404), `/readyz`, which then still covered the store.
+    /// `GET /readyz/store` (None if the admin listener does not answer).
+    pub async fn store_readyz(&self) -> Option<Resp> {
+        self.admin_get("/readyz/store").await
+    }
+
+    /// Waits until `/readyz/store` answers 200.
     pub async fn wait_ready(&self, timeout: Duration) -> Duration {
         let started = Instant::now();
         loop {
-            if let Some(r) = self.admin_get("/readyz/store").await {
-                let ready = match r.status {
-                    StatusCode::NOT_FOUND => self
-                        .readyz()
-                        .await
-                        .is_some_and(|r| r.status == StatusCode::OK),
-                    s => s == StatusCode::OK,
-                };
-                if ready {
+            if let Some(r) = self.store_readyz().await {
+                if r.status == StatusCode::OK {
                     return started.elapsed();
                 }
             }

@@ -1,0 +1,174 @@
+//! `docs/configuration.md` and `defaults.toml` against the raw structs:
+//! every key documented with its default, every default set.
+
+use serde::Deserialize;
+
+use super::*;
+use crate::config::raw::{
+    RawConfig, RawPolicy, RawRoute, RawServer, RawStore, RawSweeper, RawUpstream,
+};
+
+// --- the reference in docs/configuration.md ------------------------
+
+/// The field names of `T`, straight from its derived `Deserialize`.
+fn fields_of<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+    #[derive(Debug)]
+    struct Fields(&'static [&'static str]);
+    impl fmt::Display for Fields {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "{:?}", self.0)
+        }
+    }
+    impl std::error::Error for Fields {}
+    impl serde::de::Error for Fields {
+        fn custom<M: fmt::Display>(_: M) -> Self {
+            Fields(&[])
+        }
+    }
+    struct Probe;
+    impl<'de> serde::Deserializer<'de> for Probe {
+        type Error = Fields;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Fields> {
+            Err(Fields(&[]))
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Fields> {
+            Err(Fields(fields))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+            bytes byte_buf option unit unit_struct newtype_struct seq tuple
+            tuple_struct map enum identifier ignored_any
+        }
+    }
+    match T::deserialize(Probe) {
+        Err(Fields(fields)) => fields,
+        Ok(_) => &[],
+    }
+}
+
+/// Every `(section, key)` of the file, derived from the raw structs.
+/// Route keys are its own; its `[defaults]` keys are documented once.
+fn every_key() -> Vec<(&'static str, &'static str)> {
+    let route_only: Vec<&str> = fields_of::<RawRoute>()
+        .iter()
+        .copied()
+        .filter(|key| !fields_of::<RawPolicy>().contains(key))
+        .collect();
+    let sections: Vec<(&str, Vec<&str>)> = vec![
+        ("server", fields_of::<RawServer>().to_vec()),
+        ("upstream", fields_of::<RawUpstream>().to_vec()),
+        ("store", fields_of::<RawStore>().to_vec()),
+        ("sweeper", fields_of::<RawSweeper>().to_vec()),
+        ("defaults", fields_of::<RawPolicy>().to_vec()),
+        ("route", route_only),
+    ];
+    let mut names: Vec<&str> = sections.iter().map(|(s, _)| *s).collect();
+    let mut top: Vec<&str> = fields_of::<RawConfig>().to_vec();
+    names.sort_unstable();
+    top.sort_unstable();
+    assert_eq!(names, top, "a section is missing from every_key()");
+    for policy_key in fields_of::<RawPolicy>() {
+        assert!(
+            fields_of::<RawRoute>().contains(policy_key),
+            "route misses {policy_key}"
+        );
+    }
+    sections
+        .into_iter()
+        .flat_map(|(section, keys)| keys.into_iter().map(move |key| (section, key)))
+        .collect()
+}
+
+/// `(section, key, default cell)` of every row of the reference tables.
+fn doc_rows() -> Vec<(String, String, String)> {
+    include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/configuration.md"
+    ))
+    .lines()
+    .filter(|line| line.starts_with('|'))
+    .filter_map(|line| {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let section = cells
+            .get(1)?
+            .trim_matches(|c| c == '`' || c == '[' || c == ']');
+        let key = cells.get(2)?.trim_matches('`');
+        Some((
+            section.to_string(),
+            key.to_string(),
+            cells.get(4)?.to_string(),
+        ))
+    })
+    .collect()
+}
+
+#[test]
+fn raw_structs_have_the_expected_keys() {
+    let keys = every_key();
+    assert!(keys.contains(&("server", "header_read_timeout")));
+    assert!(keys.contains(&("sweeper", "batch_size")));
+    assert!(keys.contains(&("route", "name")));
+    assert!(keys.contains(&("defaults", "wait")));
+    assert_eq!(keys.len(), 8 + 4 + 9 + 3 + 12 + 5);
+}
+
+#[test]
+fn builtin_defaults_set_every_key_but_the_optional_ones() {
+    let builtin: toml::Table = toml::from_str(BUILTIN_DEFAULTS).unwrap();
+    for (section, key) in every_key() {
+        let table = match &builtin[section] {
+            toml::Value::Array(routes) => &routes[0],
+            table => table,
+        };
+        let optional = matches!(
+            (section, key),
+            ("route", "tenant_header")
+                | ("server", "tls_cert_file" | "tls_key_file")
+                | ("upstream" | "store", "ca_file")
+                | ("store", "listen_url")
+        );
+        assert_eq!(table.get(key).is_some(), !optional, "{section}.{key}");
+    }
+}
+
+#[test]
+fn docs_describe_every_key_with_its_default() {
+    let rows = doc_rows();
+    let builtin: toml::Table = toml::from_str(BUILTIN_DEFAULTS).unwrap();
+    for (section, key) in every_key() {
+        let row = rows
+            .iter()
+            .find(|(s, k, _)| s == section && k == key)
+            .unwrap_or_else(|| panic!("docs/configuration.md has no row for {section}.{key}"));
+        let table = match &builtin[section] {
+            toml::Value::Array(routes) => &routes[0],
+            table => table,
+        };
+        // A route's name defaults to its path_prefix, not to the
+        // catch-all's name.
+        if let (Some(default), false) = (table.get(key), (section, key) == ("route", "name")) {
+            let shown = format!("`{default}`");
+            assert!(
+                row.2.contains(&shown),
+                "{section}.{key}: default {shown} not in {:?}",
+                row.2
+            );
+        }
+    }
+    // And no row documents a key that does not exist.
+    let keys = every_key();
+    for (section, key, _) in &rows {
+        if section == "Section" || section.starts_with('-') || key.contains(' ') {
+            continue; // header, separator, prose rows
+        }
+        assert!(
+            keys.iter().any(|(s, k)| s == section && k == key),
+            "docs/configuration.md documents unknown key {section}.{key}"
+        );
+    }
+}

@@ -1,0 +1,514 @@
+//! The request path's statements: claim, take over, complete, renew,
+//! release. Claims and completions go through [`group_commit`] batches.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use tokio_postgres::Row;
+
+use super::conn::{Conn, Pool};
+use super::group_commit::Batcher;
+use super::{
+    bounded, checkout, millis, sql, Claim, ClaimResult, Existing, Replace, Store, StoreError,
+    StoredResponse,
+};
+use crate::config::StoreConfig;
+use crate::idempotency::{
+    Fingerprint, IdempotencyKey, OwnerToken, RecordState, RecordView, TenantId,
+};
+
+/// One claim to renew.
+#[derive(Debug, Clone)]
+pub struct RenewItem {
+    /// The tenant as stored.
+    pub tenant: String,
+    /// The key.
+    pub key: String,
+    /// Our owner token.
+    pub owner: uuid::Uuid,
+    /// The lease to extend to, in milliseconds from the database's now.
+    pub lease_ms: i64,
+}
+
+impl Store {
+    /// Claims a new key, or returns the record it already has.
+    pub async fn claim(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        owner: OwnerToken,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<ClaimResult, StoreError> {
+        self.bounded(async {
+            // The statement sees the snapshot taken at its start: a record
+            // committed by a racing claim after that instant makes the insert
+            // do nothing yet stays invisible to the select. Running it again
+            // takes a new snapshot that sees it.
+            for _ in 0..3 {
+                let item = ClaimItem {
+                    tenant: tenant.as_str().to_owned(),
+                    key: key.as_str().to_owned(),
+                    fingerprint: *fingerprint.as_bytes(),
+                    owner: owner.as_uuid(),
+                    lease_ms: millis(lease),
+                    retention_ms: millis(retention),
+                };
+                let out = match &self.batch {
+                    Some(b) => b.claims.submit(item).await?,
+                    None => exec_claims(&self.conn().await?, vec![item])
+                        .await?
+                        .pop()
+                        .flatten(),
+                };
+                if let Some(result) = out {
+                    return Ok(result);
+                }
+            }
+            Err(StoreError::Db(
+                "the claim found neither a record nor room for one".into(),
+            ))
+        })
+        .await
+    }
+
+    /// Replaces an expired owner with `owner`. `None`: the record changed
+    /// since it was read (someone else took over, or it completed).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn replace(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        owner: OwnerToken,
+        replace: Replace,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.bounded(async {
+            let conn = self.conn().await?;
+            let (tenant, key, fp, owner_id) = (
+                tenant.as_str(),
+                key.as_str(),
+                &fingerprint.as_bytes()[..],
+                owner.as_uuid(),
+            );
+            let lease_ms = millis(lease);
+            let row = match replace {
+                Replace::TakeOver(previous) => {
+                    let prev = previous.as_uuid();
+                    conn.query_opt(
+                        &sql::TAKE_OVER,
+                        &[&tenant, &key, &fp, &owner_id, &prev, &lease_ms],
+                    )
+                    .await?
+                }
+                Replace::Reclaim(previous) => {
+                    let prev = previous.as_uuid();
+                    let retention_ms = millis(retention);
+                    conn.query_opt(
+                        &sql::RECLAIM,
+                        &[
+                            &tenant,
+                            &key,
+                            &fp,
+                            &owner_id,
+                            &prev,
+                            &lease_ms,
+                            &retention_ms,
+                        ],
+                    )
+                    .await?
+                }
+            };
+            Ok(row.map(|r| Claim {
+                owner,
+                attempt: r.get(0),
+                lease_expires_at: r.get(1),
+            }))
+        })
+        .await
+    }
+
+    /// Stores the response; `None` if the fence refused it (lease lost),
+    /// otherwise when the record expires.
+    pub async fn complete(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+        response: &StoredResponse,
+        retention: Duration,
+        notify: Option<&str>,
+    ) -> Result<Option<SystemTime>, StoreError> {
+        self.bounded(async {
+            let item = CompleteItem {
+                tenant: tenant.as_str().to_owned(),
+                key: key.as_str().to_owned(),
+                owner: owner.as_uuid(),
+                retention_ms: millis(retention),
+                status: i16::try_from(response.status)
+                    .map_err(|_| StoreError::Corrupt(format!("status {}", response.status)))?,
+                response: response.clone(),
+                notify: notify.map(str::to_owned),
+            };
+            match &self.batch {
+                Some(b) => b.completions.submit(item).await,
+                None => Ok(exec_completions(&self.conn().await?, vec![item])
+                    .await?
+                    .pop()
+                    .flatten()),
+            }
+        })
+        .await
+    }
+
+    /// Extends the lease; `false` if the fence refused it (lease lost).
+    pub async fn renew(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let item = RenewItem {
+            tenant: tenant.as_str().to_owned(),
+            key: key.as_str().to_owned(),
+            owner: owner.as_uuid(),
+            lease_ms: millis(lease),
+        };
+        Ok(self.renew_batch(&[item]).await?.pop().unwrap_or(false))
+    }
+
+    /// Renews many claims in one statement; for each, `false` if the fence
+    /// refused it (lease lost). A claim that its owner completed meanwhile
+    /// counts as renewed: it was not lost.
+    pub async fn renew_batch(&self, items: &[RenewItem]) -> Result<Vec<bool>, StoreError> {
+        self.bounded(async {
+            let conn = self.conn().await?;
+            let tenants: Vec<&str> = items.iter().map(|i| i.tenant.as_str()).collect();
+            let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+            let owners: Vec<uuid::Uuid> = items.iter().map(|i| i.owner).collect();
+            let leases: Vec<i64> = items.iter().map(|i| i.lease_ms).collect();
+            let rows = conn
+                .query(&sql::RENEW_BATCH, &[&tenants, &keys, &owners, &leases])
+                .await?;
+            let mut renewed = vec![false; items.len()];
+            for row in rows {
+                let i: i64 = row.get(0);
+                if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| renewed.get_mut(i)) {
+                    *slot = true;
+                }
+            }
+            Ok(renewed)
+        })
+        .await
+    }
+
+    /// Deletes our in-flight claim; `false` if we no longer owned it.
+    pub async fn release(
+        &self,
+        tenant: &TenantId,
+        key: &IdempotencyKey,
+        owner: OwnerToken,
+        notify: Option<&str>,
+    ) -> Result<bool, StoreError> {
+        self.bounded(async {
+            let conn = self.conn().await?;
+            let (tenant, key, owner) = (tenant.as_str(), key.as_str(), owner.as_uuid());
+            let n = match notify {
+                None => {
+                    conn.execute(&sql::RELEASE, &[&tenant, &key, &owner])
+                        .await?
+                }
+                Some(id) => conn
+                    .query(&sql::RELEASE_NOTIFY, &[&tenant, &key, &owner, &id])
+                    .await?
+                    .len() as u64,
+            };
+            Ok(n == 1)
+        })
+        .await
+    }
+}
+
+/// The batchers of one store (one set per process).
+pub(super) struct Batchers {
+    claims: Batcher<ClaimItem, Option<ClaimResult>>,
+    completions: Batcher<CompleteItem, Option<SystemTime>>,
+}
+
+impl Batchers {
+    /// Starts the workers: a quarter of the pool each for claims and for
+    /// completions (at least one each), so reads, renewals and takeovers
+    /// keep connections (`pool_size` ≥ 3 leaves them one at least). Each
+    /// batch is bounded by `store.timeout` like any statement: a worker stuck
+    /// on a frozen primary gives up, and its connection is closed. `None`
+    /// outside a tokio runtime (then every statement goes alone).
+    pub(super) fn start(pool: &Pool, config: &StoreConfig) -> Option<Arc<Batchers>> {
+        tokio::runtime::Handle::try_current().ok()?;
+        let workers = (config.pool_size / 4).max(1);
+        let (timeout, prepared) = (config.timeout, config.prepared_statements);
+        let (p1, p2) = (pool.clone(), pool.clone());
+        Some(Arc::new(Batchers {
+            claims: Batcher::start(workers, MAX_BATCH, move |items| {
+                let pool = p1.clone();
+                bounded(timeout, async move {
+                    exec_claims(&checkout(&pool, prepared).await?, items).await
+                })
+            }),
+            completions: Batcher::start(workers, MAX_BATCH, move |items| {
+                let pool = p2.clone();
+                bounded(timeout, async move {
+                    exec_completions(&checkout(&pool, prepared).await?, items).await
+                })
+            }),
+        }))
+    }
+
+    /// (op, statements sent, items carried, largest batch).
+    pub(super) fn stats(&self) -> Vec<(&'static str, u64, u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        [
+            ("claim", self.claims.stats()),
+            ("complete", self.completions.stats()),
+        ]
+        .into_iter()
+        .map(|(op, s)| {
+            (
+                op,
+                s.batches.load(Relaxed),
+                s.items.load(Relaxed),
+                s.largest.load(Relaxed),
+            )
+        })
+        .collect()
+    }
+}
+
+/// Most items in one batch (bounds statement size and lock hold time).
+const MAX_BATCH: usize = 128;
+
+/// One claim waiting for its batch.
+struct ClaimItem {
+    tenant: String,
+    key: String,
+    fingerprint: [u8; 32],
+    owner: uuid::Uuid,
+    lease_ms: i64,
+    retention_ms: i64,
+}
+
+/// One completion waiting for its batch.
+struct CompleteItem {
+    tenant: String,
+    key: String,
+    owner: uuid::Uuid,
+    retention_ms: i64,
+    status: i16,
+    response: StoredResponse,
+    notify: Option<String>,
+}
+
+/// Runs a batch of claims as one statement. `None` for an item: neither
+/// claimed nor visible yet (retry).
+async fn exec_claims(
+    conn: &Conn,
+    items: Vec<ClaimItem>,
+) -> Result<Vec<Option<ClaimResult>>, StoreError> {
+    if let [item] = &items[..] {
+        // Alone (light load): the plain single-key statement.
+        let rows = conn
+            .query(
+                &sql::CLAIM,
+                &[
+                    &item.tenant,
+                    &item.key,
+                    &&item.fingerprint[..],
+                    &item.owner,
+                    &item.lease_ms,
+                    &item.retention_ms,
+                ],
+            )
+            .await?;
+        return Ok(vec![rows.first().map(claim_result).transpose()?]);
+    }
+    let tenants: Vec<&str> = items.iter().map(|i| i.tenant.as_str()).collect();
+    let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+    let fps: Vec<&[u8]> = items.iter().map(|i| &i.fingerprint[..]).collect();
+    let owners: Vec<uuid::Uuid> = items.iter().map(|i| i.owner).collect();
+    let leases: Vec<i64> = items.iter().map(|i| i.lease_ms).collect();
+    let retentions: Vec<i64> = items.iter().map(|i| i.retention_ms).collect();
+    let rows = conn
+        .query(
+            &sql::CLAIM_BATCH,
+            &[&tenants, &keys, &fps, &owners, &leases, &retentions],
+        )
+        .await?;
+    let mut out = vec![None; items.len()];
+    for row in &rows {
+        let i: i64 = row.get("i");
+        let slot = usize::try_from(i - 1)
+            .ok()
+            .and_then(|i| out.get_mut(i))
+            .ok_or_else(|| StoreError::Corrupt(format!("claim batch returned row {i}")))?;
+        *slot = Some(claim_result(row)?);
+    }
+    Ok(out)
+}
+
+/// Runs a batch of completions in one transaction: each row the same
+/// fenced UPDATE as alone, all pipelined (BEGIN, the updates and COMMIT
+/// leave together: one round trip, one commit), in bytewise `(tenant, key)`
+/// order (the order of every multi-row lock, see [`sql`]). `None` for an
+/// item: the fence refused it (lease lost).
+async fn exec_completions(
+    conn: &Conn,
+    items: Vec<CompleteItem>,
+) -> Result<Vec<Option<SystemTime>>, StoreError> {
+    struct Params<'a> {
+        tenant: &'a str,
+        key: &'a str,
+        names: Vec<&'a str>,
+        values: Vec<&'a [u8]>,
+        body: Option<&'a [u8]>,
+        omitted: bool,
+        notify: Option<&'a str>,
+    }
+    let params: Vec<Params<'_>> = items
+        .iter()
+        .map(|i| Params {
+            tenant: &i.tenant,
+            key: &i.key,
+            names: i.response.headers.iter().map(|(n, _)| n.as_str()).collect(),
+            values: i.response.headers.iter().map(|(_, v)| &v[..]).collect(),
+            body: i.response.body.as_deref(),
+            omitted: i.response.body.is_none(),
+            notify: i.notify.as_deref(),
+        })
+        .collect();
+    let run = |idx: usize| {
+        let (item, p) = (&items[idx], &params[idx]);
+        let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
+            &p.tenant,
+            &p.key,
+            &item.owner,
+            &item.retention_ms,
+            &item.status,
+            &p.names,
+            &p.values,
+            &p.body,
+            &p.omitted,
+        ];
+        let stmt = match &p.notify {
+            Some(id) => {
+                args.push(id);
+                &sql::COMPLETE_NOTIFY
+            }
+            None => &sql::COMPLETE,
+        };
+        async move { conn.query_opt(stmt, &args).await }
+    };
+    if items.len() == 1 {
+        let row = run(0).await?;
+        return Ok(vec![row.map(|r| r.get(0))]);
+    }
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    // `str`'s order is bytewise: the order of `COLLATE "C"`.
+    order.sort_by(|&a, &b| {
+        (&items[a].tenant, &items[a].key).cmp(&(&items[b].tenant, &items[b].key))
+    });
+    // join3 polls in argument order, and each query is sent on its first
+    // poll: BEGIN, the updates, COMMIT go out in that order.
+    let (begin, rows, commit) = futures_util::future::join3(
+        conn.batch_execute("BEGIN"),
+        futures_util::future::join_all(order.iter().map(|&i| run(i))),
+        conn.batch_execute("COMMIT"),
+    )
+    .await;
+    if begin.is_err() || commit.is_err() {
+        // The transaction's state is unknown: the connection goes.
+        conn.poison();
+    }
+    begin?;
+    let mut out = vec![None; items.len()];
+    // An error in any row aborted the transaction (its COMMIT rolled
+    // back): the batch failed as a whole.
+    for (&idx, row) in order.iter().zip(rows) {
+        out[idx] = row?.map(|r| r.get::<_, SystemTime>(0));
+    }
+    commit?;
+    Ok(out)
+}
+
+fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {
+    let owner = OwnerToken::from_uuid(row.get("owner_token"));
+    let attempt: i32 = row.get("attempt");
+    if row.get::<_, bool>("claimed") {
+        return Ok(ClaimResult::Claimed(Claim {
+            owner,
+            attempt,
+            lease_expires_at: row.get("lease_expires_at"),
+        }));
+    }
+    let fp_bytes: Vec<u8> = row.get("fingerprint");
+    let fingerprint = Fingerprint::from_bytes(&fp_bytes)
+        .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
+    let state: String = row.get("state");
+    let state = match state.as_str() {
+        "completed" => RecordState::Completed,
+        "in_flight" => RecordState::InFlight {
+            lease_expires_at: row
+                .get::<_, Option<SystemTime>>("lease_expires_at")
+                .ok_or_else(|| StoreError::Corrupt("in-flight record without a lease".into()))?,
+        },
+        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+    };
+    let response = match state {
+        RecordState::Completed => {
+            let status: Option<i16> = row.get("response_status");
+            let names: Option<Vec<String>> = row.get("header_names");
+            let values: Option<Vec<Vec<u8>>> = row.get("header_values");
+            match (status, names, values) {
+                (Some(status), Some(names), Some(values)) if names.len() == values.len() => {
+                    let omitted: bool = row.get("body_omitted");
+                    let body: Option<Vec<u8>> = row.get("body");
+                    Some(StoredResponse {
+                        status: u16::try_from(status)
+                            .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
+                        headers: names
+                            .into_iter()
+                            .zip(values.into_iter().map(Bytes::from))
+                            .collect(),
+                        body: if omitted {
+                            None
+                        } else {
+                            Some(Bytes::from(body.unwrap_or_default()))
+                        },
+                    })
+                }
+                // Fingerprint differs: the response is not fetched.
+                (Some(_), None, None) => None,
+                _ => {
+                    return Err(StoreError::Corrupt(
+                        "completed record without a response".into(),
+                    ))
+                }
+            }
+        }
+        RecordState::InFlight { .. } => None,
+    };
+    Ok(ClaimResult::Existing(Existing {
+        view: RecordView {
+            fingerprint,
+            owner,
+            attempt,
+            state,
+            expires_at: row.get("expires_at"),
+        },
+        response,
+        now: row.get("now"),
+    }))
+}

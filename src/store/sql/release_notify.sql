@@ -1,0 +1,6 @@
+WITH gone AS (
+DELETE FROM idempotency_records
+ WHERE tenant_id = $1 AND idempotency_key = $2 AND owner_token = $3
+   AND state = 'in_flight'
+RETURNING 1)
+SELECT pg_notify('idemproxy_keys', $4) FROM gone
