@@ -104,12 +104,13 @@ impl Fleet {
         }
     }
 
-    /// Direct backends whose last statement was the LISTEN.
+    /// Direct backends whose last statement was the LISTEN (or the empty
+    /// query that pings the listening connection now and then).
     async fn listeners(&self) -> Vec<i32> {
         backends(&self.sql, &self.db.name)
             .await
             .into_iter()
-            .filter(|(_, app, q)| app == DIRECT_APP && q == LISTEN)
+            .filter(|(_, app, q)| app == DIRECT_APP && (q == LISTEN || q.is_empty()))
             .map(|(pid, _, _)| pid)
             .collect()
     }

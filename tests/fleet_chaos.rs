@@ -15,7 +15,7 @@
 //! in any log.
 //!
 //! ```text
-//! scripts/dev test -- --test fleet_chaos -- --nocapture      # 30 s, 6 replicas, 12 clients
+//! scripts/dev test -- --test fleet_chaos -- --nocapture      # 30 s, 6 replicas, 24 clients
 //! IDEMPROXY_FLEET_CHAOS_SECS=300 IDEMPROXY_FLEET_CHAOS_CLIENTS=24 \
 //!     IDEMPROXY_FLEET_CHAOS_REPLICAS=8 IDEMPROXY_FLEET_CHAOS_SEED=7 \
 //!     scripts/dev test -- --test fleet_chaos -- --nocapture   # longer
@@ -38,7 +38,7 @@ use support::{ProxyConfig, ProxyProc, TempDir, UpstreamProc};
 use tokio::sync::Mutex as AsyncMutex;
 
 const MAX_CONNECTIONS: usize = 40;
-const SERVER_POOL: u32 = 12;
+const SERVER_POOL: u32 = 8;
 const REPLICA_POOL: usize = 8;
 const DIRECT_APP: &str = "idemproxy-direct";
 const TOO_MANY: &[&str] = &[
@@ -65,7 +65,7 @@ async fn fleet_of_six_through_a_transaction_pooler_keeps_every_invariant_and_the
         "IDEMPROXY_FLEET_CHAOS",
         Defaults {
             secs: 30,
-            clients: 12,
+            clients: 24,
             replicas: 6,
             lease_ms: 1500,
             sigterm: true,
