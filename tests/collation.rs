@@ -157,6 +157,16 @@ async fn renewals_and_batched_completions_over_mixed_case_tenants_never_deadlock
                             "201 replayed".to_string()
                         }
                         Ok(r) if r.status == StatusCode::CREATED => "201".to_string(),
+                        Ok(r) if r.header("content-type") == Some("application/problem+json") => {
+                            format!(
+                                "{} {}",
+                                r.status.as_u16(),
+                                r.json()["type"]
+                                    .as_str()
+                                    .unwrap_or_default()
+                                    .trim_start_matches("urn:idemproxy:problem:")
+                            )
+                        }
                         Ok(r) => format!(
                             "{} {}",
                             r.status.as_u16(),
