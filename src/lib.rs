@@ -25,10 +25,33 @@
 //! * Every answer the proxy makes itself is built in [`proxy::problem`].
 //!
 //! Around the request path: [`config`] (TOML → validated `Config`),
-//! [`app`] (wiring and drain), [`admin`] and [`metrics`] (health,
-//! readiness, Prometheus), [`sweeper`] (retention), [`cli`] (the
-//! `idemproxy` command), and [`sample_upstream`] (a counting stand-in for a
-//! legacy API, for the quick start and the tests).
+//! [`app`] (wiring), [`lifecycle`] (who owns each task, and the drain),
+//! [`admin`] and [`metrics`] (health, readiness, Prometheus), [`sweeper`]
+//! (retention), [`cli`] (the `idemproxy` command), and
+//! [`sample_upstream`] (a counting stand-in for a legacy API, for the quick
+//! start and the tests). [`store::notify`] keeps the one LISTEN connection
+//! that wakes [`waiters`] and invalidates the [`cache`].
+//!
+//! # Architecture: which module may use which
+//!
+//! Dependencies point one way, from the pure core out to the binary; no
+//! module uses one to its right:
+//!
+//! ```text
+//! idempotency → config → store → {lease, waiters, cache} → proxy → server → admin → app → cli
+//!   (pure)                 ↑                                  ↑
+//!   leaves used anywhere: pg_url, tls, backoff, metrics, lifecycle
+//! ```
+//!
+//! * [`idempotency`]: keys, tenants, fingerprints, [`idempotency::KeyId`]
+//!   and the state machine; no I/O, no clock.
+//! * [`config`]: raw TOML → checked → typed; every problem with file,
+//!   line and key.
+//! * [`store`]: the fenced SQL (`src/store/sql/*.sql`), group commit,
+//!   bounded connections, the LISTEN loop, migrations.
+//! * [`lease`], [`waiters`], [`cache`]: per-process state around the store.
+//! * [`proxy`]: the request path; [`server`]: listeners; [`admin`]: the
+//!   admin endpoints; [`app`]: wiring; [`cli`]: the command.
 
 pub mod admin;
 pub mod app;
@@ -40,6 +63,7 @@ pub mod idempotency;
 pub mod lease;
 pub mod lifecycle;
 pub mod metrics;
+pub mod pg_url;
 pub mod proxy;
 pub mod sample_upstream;
 pub mod server;

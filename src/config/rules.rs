@@ -193,7 +193,7 @@ pub(super) fn database_url(url: &str) -> Result<(), &'static str> {
         ),
     }
     // What `serve` will parse: check-config must not pass what serve rejects.
-    match crate::store::tls::parse_url(url) {
+    match crate::pg_url::parse_url(url) {
         Ok(_) => Ok(()),
         Err(_) => Err("does not parse as a PostgreSQL connection string (bad port, host, option or sslmode?); the value is not shown: it may contain a password"),
     }

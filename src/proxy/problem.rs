@@ -2,12 +2,16 @@
 //! RFC 9457 `application/problem+json`, with one stable `type` per case so
 //! a client can tell a proxy 409 from an upstream 409.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 use serde::Serialize;
 
+use super::upstream::UpstreamError;
 use super::{full, ProxyBody};
+use crate::idempotency::decision::retry_after_secs;
 
 /// Prefix of every problem `type`.
 pub const TYPE_PREFIX: &str = "urn:idemproxy:problem:";
@@ -115,6 +119,19 @@ struct Body<'a> {
     detail: &'a str,
 }
 
+/// How a request whose upstream exchange failed had been forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forwarded {
+    /// With no claim behind it: a pass-through, or a keyed request sent
+    /// unprotected because the store was down (`on_store_error`).
+    Unprotected,
+    /// Under an owned claim whose lease is `lease`.
+    Claimed {
+        /// The route's lease: how long a claim kept in flight blocks a retry.
+        lease: Duration,
+    },
+}
+
 /// A proxy-made answer under construction.
 #[derive(Debug, Clone)]
 pub struct Problem {
@@ -140,6 +157,48 @@ impl Problem {
     pub fn retry_after(mut self, secs: u64) -> Self {
         self.retry_after = Some(secs);
         self
+    }
+
+    /// The one answer to an upstream exchange that produced no response.
+    /// The status and type say what the failure proves (never sent,
+    /// timed out, failed after sending); the detail says what the client
+    /// may do next, which depends on whether a claim protected the request.
+    pub fn upstream(e: &UpstreamError, forwarded: Forwarded) -> Self {
+        let kind = match e {
+            UpstreamError::Connect(_) => ProblemKind::UpstreamUnreachable,
+            UpstreamError::Timeout(_) => ProblemKind::UpstreamTimeout,
+            UpstreamError::Failed(_) => ProblemKind::UpstreamFailed,
+        };
+        let Forwarded::Claimed { lease } = forwarded else {
+            return Problem::new(kind, e.to_string());
+        };
+        match e {
+            // Released: nothing ran, so nothing to wait for.
+            UpstreamError::Connect(cause) => Problem::new(
+                kind,
+                format!("the upstream could not be reached; the request was not sent and may be retried at once ({cause})"),
+            ),
+            // Kept in flight: a retry gets 409 until the lease expires.
+            UpstreamError::Timeout(_) => Problem::new(
+                kind,
+                "the upstream did not answer in time; the request may have been executed. Retry with the same key after the lease expires",
+            )
+            .retry_after(retry_after_secs(lease)),
+            UpstreamError::Failed(_) => Problem::new(
+                kind,
+                "the upstream connection failed after the request was sent; it may have been executed. Retry with the same key after the lease expires",
+            )
+            .retry_after(retry_after_secs(lease)),
+        }
+    }
+
+    /// A request whose upstream URI cannot be built from its path and
+    /// query: nothing was sent.
+    pub fn unforwardable(e: &http::Error) -> Self {
+        Problem::new(
+            ProblemKind::InvalidRequest,
+            format!("the request cannot be forwarded: {e}"),
+        )
     }
 
     /// The HTTP response.
@@ -216,6 +275,74 @@ mod tests {
         uris.sort();
         uris.dedup();
         assert_eq!(uris.len(), ALL.len());
+    }
+
+    #[test]
+    fn upstream_errors_map_to_the_same_case_claimed_or_not() {
+        let lease = Duration::from_millis(2500);
+        let cases = [
+            (
+                UpstreamError::Connect("refused".into()),
+                ProblemKind::UpstreamUnreachable,
+            ),
+            (
+                UpstreamError::Timeout(Duration::from_secs(30)),
+                ProblemKind::UpstreamTimeout,
+            ),
+            (
+                UpstreamError::Failed("reset".into()),
+                ProblemKind::UpstreamFailed,
+            ),
+        ];
+        for (e, kind) in cases {
+            let plain = Problem::upstream(&e, Forwarded::Unprotected);
+            assert_eq!(plain.kind, kind, "{e}");
+            assert_eq!(plain.detail, e.to_string());
+            assert_eq!(plain.retry_after, None);
+            assert_eq!(
+                Problem::upstream(&e, Forwarded::Claimed { lease }).kind,
+                kind,
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn unsent_claimed_request_may_be_retried_at_once() {
+        let e = UpstreamError::Connect("connection refused".into());
+        let p = Problem::upstream(
+            &e,
+            Forwarded::Claimed {
+                lease: Duration::from_secs(10),
+            },
+        );
+        assert_eq!(p.retry_after, None);
+        assert!(p.detail.contains("may be retried at once"));
+        assert!(p.detail.contains("(connection refused)"));
+    }
+
+    #[test]
+    fn claimed_request_of_unknown_outcome_is_retried_after_the_lease() {
+        let lease = Duration::from_millis(2500);
+        for e in [
+            UpstreamError::Timeout(Duration::from_secs(30)),
+            UpstreamError::Failed("reset".into()),
+        ] {
+            let p = Problem::upstream(&e, Forwarded::Claimed { lease });
+            assert_eq!(p.retry_after, Some(3), "{e}");
+            assert!(p.detail.contains("after the lease expires"), "{e}");
+        }
+    }
+
+    #[test]
+    fn unforwardable_request_is_an_invalid_request() {
+        let e = http::Uri::builder()
+            .path_and_query("not a path")
+            .build()
+            .unwrap_err();
+        let p = Problem::unforwardable(&e);
+        assert_eq!(p.kind, ProblemKind::InvalidRequest);
+        assert!(p.detail.starts_with("the request cannot be forwarded: "));
     }
 
     #[tokio::test]

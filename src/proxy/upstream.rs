@@ -20,6 +20,7 @@ use thiserror::Error;
 
 use super::ProxyBody;
 use crate::config::UpstreamConfig;
+use crate::idempotency::UpstreamOutcome;
 
 /// Why an upstream exchange produced no response.
 #[derive(Debug, Error)]
@@ -33,6 +34,18 @@ pub enum UpstreamError {
     /// The connection failed after the request was (maybe) sent.
     #[error("the upstream exchange failed: {0}")]
     Failed(String),
+}
+
+impl UpstreamError {
+    /// What the failure proves about the request, for
+    /// [`settle`](crate::idempotency::settle): a connection never made means
+    /// it was never sent; anything later leaves its outcome unknown.
+    pub fn outcome(&self) -> UpstreamOutcome {
+        match self {
+            UpstreamError::Connect(_) => UpstreamOutcome::NotSent,
+            UpstreamError::Timeout(_) | UpstreamError::Failed(_) => UpstreamOutcome::Unknown,
+        }
+    }
 }
 
 /// The upstream as the proxy sees it.
@@ -142,4 +155,30 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // DESIGN.md §2: refused → released; timed out or reset → kept.
+    #[test]
+    fn connect_failure_proves_the_request_was_not_sent() {
+        assert_eq!(
+            UpstreamError::Connect("refused".into()).outcome(),
+            UpstreamOutcome::NotSent
+        );
+    }
+
+    #[test]
+    fn timeout_and_later_failure_leave_the_outcome_unknown() {
+        assert_eq!(
+            UpstreamError::Timeout(Duration::from_secs(1)).outcome(),
+            UpstreamOutcome::Unknown
+        );
+        assert_eq!(
+            UpstreamError::Failed("reset".into()).outcome(),
+            UpstreamOutcome::Unknown
+        );
+    }
 }

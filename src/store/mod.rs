@@ -15,11 +15,11 @@
 //! * Every statement is bounded by `store.timeout` and a connection whose
 //!   statement was cut off is closed, not reused; statements work with or
 //!   without named prepared statements (poolers); connections are made host
-//!   by host, each bounded (see [`conn`]).
+//!   by host, each bounded (see `conn`).
 //!
 //! The SQL is in `sql/*.sql` ([`sql`]); the claim and completion paths in
-//! [`records`], batched by [`group_commit`]; the operators' statements in
-//! [`operator`]; the schema in [`migrate`].
+//! `records`, batched by [`group_commit`]; the operators' statements in
+//! `operator`; the schema in [`migrate`].
 
 mod conn;
 pub mod group_commit;
@@ -230,7 +230,7 @@ impl Store {
     }
 
     /// Runs `op` within `store.timeout`. A connection it took from the pool
-    /// and was still using when the bound fired is closed (see [`conn`]).
+    /// and was still using when the bound fired is closed (see `conn`).
     async fn bounded<T, F>(&self, op: F) -> Result<T, StoreError>
     where
         F: std::future::Future<Output = Result<T, StoreError>>,
@@ -294,13 +294,8 @@ async fn checkout(pool: &Pool, prepared: bool) -> Result<Conn, StoreError> {
     Ok(Conn::new(object, prepared))
 }
 
-/// The driver's URL parse errors may quote the URL; keep only a generic
-/// description.
-fn redacted_parse_error(e: &tokio_postgres::Error) -> String {
-    let text = e.to_string();
-    if text.contains("://") || text.contains('@') || text.contains("password") {
-        "the URL could not be parsed (details withheld: they may contain the password)".into()
-    } else {
-        text
+impl From<crate::pg_url::UrlError> for StoreError {
+    fn from(e: crate::pg_url::UrlError) -> Self {
+        StoreError::Url(e.0)
     }
 }

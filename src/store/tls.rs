@@ -21,7 +21,6 @@
 //! plaintext; a server that rustls cannot talk to needs `sslmode=disable`.
 
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -34,44 +33,8 @@ use tokio_postgres::Socket;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::StoreError;
+pub use crate::pg_url::{parse_url, ParsedUrl, SslMode};
 use crate::tls::{provider, root_store, Trust};
-
-/// libpq's `sslmode`, as far as idemproxy supports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SslMode {
-    /// No TLS.
-    Disable,
-    /// TLS when the server offers it, unverified.
-    Prefer,
-    /// TLS, verified only when a CA file is given.
-    Require,
-    /// TLS, chain verified.
-    VerifyCa,
-    /// TLS, chain and host name verified.
-    VerifyFull,
-}
-
-impl SslMode {
-    fn parse(value: &str) -> Result<Self, StoreError> {
-        Ok(match value {
-            "disable" => SslMode::Disable,
-            "prefer" => SslMode::Prefer,
-            "require" => SslMode::Require,
-            "verify-ca" => SslMode::VerifyCa,
-            "verify-full" => SslMode::VerifyFull,
-            "allow" => {
-                return Err(StoreError::Url(
-                    "sslmode=allow is not supported (it tries plaintext first); use prefer, require, verify-ca or verify-full".into(),
-                ))
-            }
-            other => {
-                return Err(StoreError::Url(format!(
-                    "invalid sslmode {other:?}: expected disable, prefer, require, verify-ca or verify-full"
-                )))
-            }
-        })
-    }
-}
 
 /// The stream of a connection made with [`Connection::tls`] (TLS or not,
 /// as the mode says).
@@ -88,35 +51,6 @@ pub struct Connection {
     pub tls: MakeRustlsConnect,
     /// The mode in force.
     pub mode: SslMode,
-}
-
-/// A database URL as understood here, before any file is read.
-#[derive(Debug)]
-pub struct ParsedUrl {
-    /// What the driver understands.
-    pub config: tokio_postgres::Config,
-    /// The `sslmode` (default `prefer`).
-    pub mode: SslMode,
-    /// libpq's `sslrootcert`, if given.
-    pub sslrootcert: Option<String>,
-}
-
-/// Parses a database URL or `key=value` string, libpq's TLS parameters
-/// included, without reading any file (for `check-config` as much as for
-/// the start). Error messages never contain the URL.
-pub fn parse_url(url: &str) -> Result<ParsedUrl, StoreError> {
-    let split = split_tls_params(url)?;
-    let config = tokio_postgres::Config::from_str(&split.rest)
-        .map_err(|e| StoreError::Url(super::redacted_parse_error(&e)))?;
-    let mode = match &split.sslmode {
-        Some(value) => SslMode::parse(value)?,
-        None => SslMode::Prefer,
-    };
-    Ok(ParsedUrl {
-        config,
-        mode,
-        sslrootcert: split.sslrootcert,
-    })
 }
 
 /// Parses the database URL and builds its TLS connector. `ca_file` is
@@ -181,149 +115,6 @@ fn webpki_verifier(ca: Option<&Path>) -> Result<Arc<WebPkiServerVerifier>, Store
     WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
         .build()
         .map_err(|e| StoreError::Url(format!("TLS set-up failed: {e}")))
-}
-
-/// The URL with `sslmode` and `sslrootcert` taken out.
-#[derive(Debug, PartialEq, Eq)]
-struct Split {
-    rest: String,
-    sslmode: Option<String>,
-    sslrootcert: Option<String>,
-}
-
-/// Takes `sslmode` and `sslrootcert` out of a `postgres://` URL's query or a
-/// `key=value` connection string, leaving everything else as written.
-fn split_tls_params(url: &str) -> Result<Split, StoreError> {
-    let mut split = Split {
-        rest: String::new(),
-        sslmode: None,
-        sslrootcert: None,
-    };
-    let is_url = url.trim_start().starts_with("postgres://")
-        || url.trim_start().starts_with("postgresql://");
-    if is_url {
-        let Some((base, query)) = url.split_once('?') else {
-            split.rest = url.to_owned();
-            return Ok(split);
-        };
-        let mut kept = Vec::new();
-        for pair in query.split('&') {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            match k {
-                "sslmode" => split.sslmode = Some(percent_decode(v)?),
-                "sslrootcert" => split.sslrootcert = Some(percent_decode(v)?),
-                _ => kept.push(pair),
-            }
-        }
-        split.rest = if kept.is_empty() {
-            base.to_owned()
-        } else {
-            format!("{base}?{}", kept.join("&"))
-        };
-        return Ok(split);
-    }
-    let mut kept = Vec::new();
-    for (key, raw, value) in conninfo_pairs(url)? {
-        match key.as_str() {
-            "sslmode" => split.sslmode = Some(value),
-            "sslrootcert" => split.sslrootcert = Some(value),
-            _ => kept.push(raw),
-        }
-    }
-    split.rest = kept.join(" ");
-    Ok(split)
-}
-
-/// `%XX` decoding of a URL query value.
-fn percent_decode(value: &str) -> Result<String, StoreError> {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes
-                .get(i + 1..i + 3)
-                .and_then(|h| std::str::from_utf8(h).ok())
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| {
-                    StoreError::Url("invalid percent-encoding in the URL's TLS parameters".into())
-                })?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out)
-        .map_err(|_| StoreError::Url("the URL's TLS parameters are not UTF-8".into()))
-}
-
-/// The `key = value` pairs of a libpq connection string: (key, the pair as
-/// written, the unquoted value).
-fn conninfo_pairs(s: &str) -> Result<Vec<(String, String, String)>, StoreError> {
-    let malformed = || {
-        StoreError::Url("the key=value connection string is malformed (details withheld: it may contain the password)".into())
-    };
-    let chars: Vec<char> = s.chars().collect();
-    let mut pairs = Vec::new();
-    let mut i = 0;
-    loop {
-        while i < chars.len() && chars[i].is_whitespace() {
-            i += 1;
-        }
-        if i == chars.len() {
-            return Ok(pairs);
-        }
-        let start = i;
-        while i < chars.len() && chars[i] != '=' && !chars[i].is_whitespace() {
-            i += 1;
-        }
-        let key: String = chars[start..i].iter().collect();
-        while i < chars.len() && chars[i].is_whitespace() {
-            i += 1;
-        }
-        if key.is_empty() || chars.get(i) != Some(&'=') {
-            return Err(malformed());
-        }
-        i += 1;
-        while i < chars.len() && chars[i].is_whitespace() {
-            i += 1;
-        }
-        let mut value = String::new();
-        if chars.get(i) == Some(&'\'') {
-            i += 1;
-            loop {
-                match chars.get(i) {
-                    None => return Err(malformed()),
-                    Some('\'') => {
-                        i += 1;
-                        break;
-                    }
-                    Some('\\') => {
-                        value.push(*chars.get(i + 1).ok_or_else(malformed)?);
-                        i += 2;
-                    }
-                    Some(c) => {
-                        value.push(*c);
-                        i += 1;
-                    }
-                }
-            }
-        } else {
-            while i < chars.len() && !chars[i].is_whitespace() {
-                if chars[i] == '\\' {
-                    value.push(*chars.get(i + 1).ok_or_else(malformed)?);
-                    i += 2;
-                } else {
-                    value.push(chars[i]);
-                    i += 1;
-                }
-            }
-        }
-        let raw: String = chars[start..i].iter().collect();
-        pairs.push((key, raw, value));
-    }
 }
 
 /// Accepts any certificate (libpq's `prefer` and `require` without a CA
@@ -429,6 +220,8 @@ impl ServerCertVerifier for ChainOnly {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pg_url::{split_tls_params, Split};
+    use std::str::FromStr;
 
     fn split(url: &str) -> Split {
         split_tls_params(url).unwrap()

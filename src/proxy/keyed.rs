@@ -1,0 +1,327 @@
+//! The keyed path: claim the key or decide what its record means.
+//!
+//! One turn reads (or claims) the record in a single statement and lets the
+//! pure [`decide`] say what it means: replay, 409 (or wait), 422, or take
+//! over. Only the store and the waiters are touched here; an owned claim
+//! goes on to `execute`, which is the only place the upstream is called.
+//!
+//! Why a loop: a takeover is a fenced write, and it loses when the record
+//! changed between our read and our write (another replica took over or
+//! completed first). The next turn reads again and decides afresh, from the
+//! record as it now is.
+
+use std::ops::ControlFlow;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::header::{HeaderName, HeaderValue};
+use http::{Response, StatusCode};
+use tokio::sync::futures::Notified;
+use tracing::warn;
+
+use super::admit::Keyed;
+use super::problem::{Problem, ProblemKind};
+use super::{full, set_expires, Handled, Proxy, REPLAYED};
+use crate::cache::{Cached, Ticket};
+use crate::config::OnStoreError;
+use crate::idempotency::decision::retry_after_secs;
+use crate::idempotency::{decide, Decision, OwnerToken};
+use crate::metrics::Outcome;
+use crate::store::{Claim, ClaimResult, Existing, Replace, StoreError, StoredResponse};
+use crate::waiters::WaitGuard;
+
+/// A duplicate's wait for its original (route setting `wait`).
+struct Waiting<'w> {
+    /// When the wait runs out and the duplicate gets its 409.
+    deadline: Instant,
+    /// Registered on the first conflict, then held until the request ends.
+    guard: Option<WaitGuard<'w>>,
+}
+
+impl Proxy {
+    /// The state machine's I/O: claim, decide, and execute or answer.
+    pub(super) async fn keyed(&self, k: &Keyed<'_>) -> Handled {
+        if let Some(h) = self.cached_replay(k) {
+            return h;
+        }
+        let policy = &k.route.policy;
+        let mut waiting = Waiting {
+            deadline: Instant::now() + policy.wait,
+            guard: None,
+        };
+        // A fenced write loses only when the record changed between our read
+        // and our write; each turn re-reads. Bounded so that a pathological
+        // flapping key cannot spin; waiting turns are bounded by `wait`.
+        let mut races = 0;
+        while races < 4 {
+            // Armed before the read, so no wake-up falls in between.
+            let notify = waiting.guard.as_ref().map(WaitGuard::notify);
+            let notified = notify.as_ref().map(|n| n.notified());
+            let owner = OwnerToken::mint();
+            let ticket = self.cache.ticket();
+            let result = self
+                .timed(
+                    k,
+                    "claim",
+                    self.store.claim(
+                        &k.tenant,
+                        &k.key,
+                        &k.fingerprint,
+                        owner,
+                        policy.lease,
+                        policy.retention,
+                    ),
+                )
+                .await;
+            let existing = match result {
+                Err(e) => return self.store_failed(k, e).await,
+                Ok(ClaimResult::Claimed(claim)) => return self.execute(k, claim).await,
+                Ok(ClaimResult::Existing(x)) => x,
+            };
+            let replace = match decide(&existing.view, &k.fingerprint, existing.now) {
+                Decision::Replay => return self.replay_existing(k, existing, ticket),
+                Decision::Conflict { lease_remaining } => {
+                    match self
+                        .wait_for_change(k, &mut waiting, notified, lease_remaining)
+                        .await
+                    {
+                        ControlFlow::Break(h) => return h,
+                        ControlFlow::Continue(()) => continue,
+                    }
+                }
+                Decision::Mismatch => return mismatch(k),
+                Decision::TakeOver { previous, .. } => Replace::TakeOver(previous),
+                Decision::Reclaim { previous } => Replace::Reclaim(previous),
+            };
+            match self.replace(k, owner, replace).await {
+                Err(e) => return self.store_failed(k, e).await,
+                Ok(None) => races += 1,
+                Ok(Some(claim)) => return self.execute(k, claim).await,
+            }
+        }
+        conflict(Duration::from_secs(1))
+    }
+
+    /// A replay from this replica's cache, if it holds the completion.
+    fn cached_replay(&self, k: &Keyed<'_>) -> Option<Handled> {
+        // A completion is immutable until it expires: a warm replica
+        // replays it without a round trip.
+        let c = self.cache.get(&k.tenant, &k.key)?;
+        if c.fingerprint != k.fingerprint {
+            // A mismatch is the database's to answer.
+            return None;
+        }
+        let mut h = replay(Some(&c.response));
+        set_expires(&mut h.response, c.expires_at);
+        Some(h)
+    }
+
+    /// Replays a completed record read from the database, and caches it for
+    /// the next retry.
+    fn replay_existing(&self, k: &Keyed<'_>, existing: Existing, ticket: Ticket) -> Handled {
+        let mut h = replay(existing.response.as_ref());
+        set_expires(&mut h.response, existing.view.expires_at);
+        if let Some(response) = existing.response {
+            let cached = Cached {
+                fingerprint: existing.view.fingerprint,
+                response: Arc::new(response),
+                expires_at: existing.view.expires_at,
+            };
+            self.cache
+                .put(&k.tenant, &k.key, cached, existing.now, ticket);
+        }
+        h
+    }
+
+    /// A duplicate of an in-flight request: answers 409 once the wait is
+    /// over (or was never asked for), else sleeps until it is worth reading
+    /// the record again.
+    async fn wait_for_change<'w>(
+        &'w self,
+        k: &Keyed<'_>,
+        waiting: &mut Waiting<'w>,
+        notified: Option<Notified<'_>>,
+        lease_remaining: Duration,
+    ) -> ControlFlow<Handled> {
+        let now = Instant::now();
+        if now >= waiting.deadline {
+            return ControlFlow::Break(conflict(lease_remaining));
+        }
+        let Some(notified) = notified else {
+            // First conflict: register, then read again with the
+            // wake-up armed.
+            match self.waiters.register(k.wait_id()) {
+                Some(g) => waiting.guard = Some(g),
+                None => return ControlFlow::Break(conflict(lease_remaining)),
+            }
+            return ControlFlow::Continue(());
+        };
+        // Sleep until the key changes, the lease runs out (then
+        // take over as any request would) or the wait ends.
+        let until = waiting
+            .deadline
+            .min(now + lease_remaining + Duration::from_millis(5));
+        tokio::select! {
+            () = notified => {}
+            () = tokio::time::sleep_until(until.into()) => {}
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Takes over (or reclaims) the key with a fenced write. `None`: the
+    /// record changed since it was read, and the race was lost.
+    async fn replace(
+        &self,
+        k: &Keyed<'_>,
+        owner: OwnerToken,
+        replace: Replace,
+    ) -> Result<Option<Claim>, StoreError> {
+        let policy = &k.route.policy;
+        let claim = self
+            .timed(
+                k,
+                "replace",
+                self.store.replace(
+                    &k.tenant,
+                    &k.key,
+                    &k.fingerprint,
+                    owner,
+                    replace,
+                    policy.lease,
+                    policy.retention,
+                ),
+            )
+            .await?;
+        if let (Some(claim), Replace::TakeOver(previous)) = (&claim, replace) {
+            self.metrics.takeover();
+            warn!(
+                key = %k.key,
+                attempt = claim.attempt,
+                previous_owner = %previous.as_uuid(),
+                "took over a claim whose lease expired; forwarding again"
+            );
+        }
+        Ok(claim)
+    }
+
+    /// Runs a store operation, recording its duration in the metrics and
+    /// in the request's access-log timings.
+    pub(super) async fn timed<T>(
+        &self,
+        k: &Keyed<'_>,
+        op: &'static str,
+        fut: impl std::future::Future<Output = T>,
+    ) -> T {
+        let t = Instant::now();
+        let out = fut.await;
+        let elapsed = t.elapsed();
+        self.metrics.store(op, elapsed);
+        k.timings
+            .store_us
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// The store failed before anything was forwarded.
+    async fn store_failed(&self, k: &Keyed<'_>, e: StoreError) -> Handled {
+        match self.config.store.on_store_error {
+            OnStoreError::Reject => {
+                warn!(key = %k.key, error = %e, "store unavailable: refusing the keyed request (fail closed)");
+                Handled::problem(
+                    Problem::new(
+                        ProblemKind::StoreUnavailable,
+                        "the idempotency store is unavailable; nothing was forwarded. Retry with the same key",
+                    )
+                    .retry_after(1),
+                    Outcome::StoreError,
+                )
+            }
+            OnStoreError::PassThrough => {
+                warn!(
+                    key = %k.key,
+                    error = %e,
+                    "store unavailable: forwarding UNPROTECTED (on_store_error = pass_through); a retry may execute twice"
+                );
+                let req = match self.forward_request(&k.parts, full(k.body.clone()), k.client, None)
+                {
+                    Ok(r) => r,
+                    Err(e) => {
+                        return Handled::problem(Problem::unforwardable(&e), Outcome::StoreError)
+                    }
+                };
+                let mut h = self.forward_streaming(req).await;
+                h.outcome = Outcome::StoreError;
+                h
+            }
+        }
+    }
+}
+
+/// A 409 for a duplicate of a request in flight, retryable when its lease
+/// runs out.
+fn conflict(lease_remaining: Duration) -> Handled {
+    let secs = retry_after_secs(lease_remaining);
+    Handled::problem(
+        Problem::new(
+            ProblemKind::RequestInProgress,
+            format!("a request with this key is being processed; retry in {secs} s"),
+        )
+        .retry_after(secs),
+        Outcome::Conflict,
+    )
+}
+
+/// A 422 for a key reused with a different request.
+fn mismatch(k: &Keyed<'_>) -> Handled {
+    Handled::problem(
+        Problem::new(
+            ProblemKind::KeyReused,
+            format!(
+                "the key {} was first used with a different request (method, path, query or body)",
+                k.key
+            ),
+        ),
+        Outcome::Mismatch,
+    )
+}
+
+/// A replay: the stored status, headers and body bytes, marked replayed.
+fn replay(stored: Option<&StoredResponse>) -> Handled {
+    let Some(stored) = stored else {
+        return Handled::problem(
+            Problem::new(
+                ProblemKind::StoreUnavailable,
+                "the stored response could not be read",
+            )
+            .retry_after(1),
+            Outcome::StoreError,
+        );
+    };
+    let Some(body) = &stored.body else {
+        let mut resp = Problem::new(
+            ProblemKind::ResponseNotStored,
+            format!(
+                "the original request was executed (upstream status {}) but its response body exceeded max_stored_response and was not stored; it will not be executed again",
+                stored.status
+            ),
+        )
+        .into_response();
+        resp.headers_mut()
+            .insert(REPLAYED, HeaderValue::from_static("true"));
+        return Handled::new(resp, Outcome::Replayed);
+    };
+    let mut resp = Response::new(full(body.clone()));
+    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    for (name, value) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value.clone()),
+        ) {
+            resp.headers_mut().append(n, v);
+        }
+    }
+    resp.headers_mut()
+        .insert(REPLAYED, HeaderValue::from_static("true"));
+    Handled::new(resp, Outcome::Replayed)
+}
