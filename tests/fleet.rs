@@ -322,7 +322,7 @@ async fn server_connections_stay_within_the_pool_plus_one_listen_connection_per_
     eprintln!(
         "fleet connections: {REPLICAS} replicas x pool_size 8 through a pooler of {SERVER_POOL}: \
          {ok} keys executed by 48 clients in 3 s, {} failures; backends on the server at most \
-         {max_total} ({max_pooled} pooled, {max_direct} LISTEN) over {samples} samples; \
+         {max_total} ({max_pooled} pooled, {max_direct} direct) over {samples} samples; \
          pool now {pool:?}",
         failures.len()
     );
