@@ -30,15 +30,16 @@ const LISTEN: &str = "LISTEN idemproxy_keys";
 /// connections, which tells them from the pooler's on the server.
 const DIRECT_APP: &str = "idemproxy-direct";
 
-/// Replicas behind one pooler, on one fresh database.
+/// Replicas behind one pooler, on one fresh database. Fields drop in
+/// order: the replicas and the pooler stop before the database is dropped.
 struct Fleet {
-    _dir: TempDir,
-    db: TestDb,
+    replicas: Vec<ProxyProc>,
+    bouncer: PgBouncer,
+    up: UpstreamProc,
     /// A direct connection to the test database (for counts and records).
     sql: tokio_postgres::Client,
-    up: UpstreamProc,
-    bouncer: PgBouncer,
-    replicas: Vec<ProxyProc>,
+    db: TestDb,
+    _dir: TempDir,
 }
 
 impl Fleet {
