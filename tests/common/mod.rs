@@ -53,8 +53,46 @@ pub struct TestDb {
     pub url: String,
 }
 
+/// The default collation of a test database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbLocale {
+    /// The server's template (the test servers are `C`).
+    Default,
+    /// ICU en-US, as managed PostgreSQL's en_US.UTF-8 sorts text: `a` <
+    /// `A` < `b` < `B`, where bytes say `A` < `B` < `a` < `b` (DESIGN §8.5).
+    IcuEnUs,
+}
+
+impl DbLocale {
+    /// `IDEMPROXY_TEST_DB_LOCALE`: unset or `default`, or `icu-en-US`
+    /// (`scripts/dev test` runs the state machine a second time with it).
+    pub fn from_env() -> DbLocale {
+        match std::env::var("IDEMPROXY_TEST_DB_LOCALE").as_deref() {
+            Err(_) | Ok("") | Ok("default") => DbLocale::Default,
+            Ok("icu-en-US") => DbLocale::IcuEnUs,
+            Ok(other) => panic!("IDEMPROXY_TEST_DB_LOCALE={other}: expected icu-en-US or default"),
+        }
+    }
+
+    fn create_options(self) -> &'static str {
+        match self {
+            DbLocale::Default => "",
+            // LOCALE 'C' sets only the libc categories, which ICU does not
+            // use for collation; it exists on every machine.
+            DbLocale::IcuEnUs => {
+                " TEMPLATE template0 ENCODING 'UTF8' LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C'"
+            }
+        }
+    }
+}
+
 impl TestDb {
+    /// A fresh database with the collation of `IDEMPROXY_TEST_DB_LOCALE`.
     pub async fn new() -> TestDb {
+        TestDb::with_locale(DbLocale::from_env()).await
+    }
+
+    pub async fn with_locale(locale: DbLocale) -> TestDb {
         let name = format!(
             "idemproxy_test_{}_{}_{}",
             std::process::id(),
@@ -66,11 +104,28 @@ impl TestDb {
         );
         let admin = admin_client().await;
         admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .batch_execute(&format!(
+                "CREATE DATABASE {name}{}",
+                locale.create_options()
+            ))
             .await
             .expect("CREATE DATABASE (is IDEMPROXY_TEST_DATABASE_URL an admin URL?)");
         let url = with_database(&admin_url(), &name);
-        TestDb { name, url }
+        let db = TestDb { name, url };
+        if locale == DbLocale::IcuEnUs {
+            // The database really sorts as en-US (not bytewise).
+            let c = db.client().await;
+            let order: String = c
+                .query_one(
+                    "SELECT string_agg(x, ' ' ORDER BY x) FROM unnest(ARRAY['B','a','b','A']) x",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(order, "a A b B", "{} does not collate as en-US", db.name);
+        }
+        db
     }
 
     /// A direct connection, for assertions on what is stored.

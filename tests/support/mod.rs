@@ -1,12 +1,15 @@
 //! Fixtures for the fault tests: the real `idemproxy` and `sample-upstream`
 //! binaries as child processes that a test can kill, pause and restart,
-//! private PostgreSQL clusters ([`pgcluster`]) and a TCP link whose latency
-//! a test can turn up ([`slowlink`]).
+//! private PostgreSQL clusters ([`pgcluster`]), a real PgBouncer
+//! ([`pgbouncer`]) and a TCP link whose latency a test can turn up
+//! ([`slowlink`]).
 //!
 //! A test that uses this module also declares `mod common;` (the HTTP client
 //! and the shared-server test databases live there).
 #![allow(dead_code, unreachable_pub)]
 
+pub mod chaos;
+pub mod pgbouncer;
 pub mod pgcluster;
 pub mod slowlink;
 
@@ -429,6 +432,10 @@ pub struct ProxyConfig {
     pub pool_size: usize,
     /// Extra `[defaults]` lines.
     pub defaults: String,
+    /// Extra `[store]` lines (`prepared_statements`, `listen_url`, …).
+    pub store: String,
+    /// `[[route]]` tables (none: the built-in catch-all route).
+    pub routes: String,
 }
 
 impl ProxyConfig {
@@ -442,7 +449,17 @@ impl ProxyConfig {
             store_timeout: "1s".into(),
             pool_size: 8,
             defaults: String::new(),
+            store: String::new(),
+            routes: String::new(),
         }
+    }
+    /// Behind a pooler in transaction mode: no named prepared statements,
+    /// and `listen_url` (a direct session) for LISTEN and migrations.
+    pub fn pooled(mut self, direct_url: &str) -> Self {
+        self.store.push_str(&format!(
+            "prepared_statements = false\nlisten_url = \"{direct_url}\"\n"
+        ));
+        self
     }
     pub fn lease(mut self, d: &str) -> Self {
         self.lease = d.into();
@@ -478,6 +495,7 @@ timeout = "{upstream_timeout}"
 database_url = "{db}"
 timeout = "{store_timeout}"
 pool_size = {pool}
+{store}
 
 [sweeper]
 interval = "1h"
@@ -485,6 +503,8 @@ interval = "1h"
 [defaults]
 lease = "{lease}"
 {defaults}
+
+{routes}
 "#,
             grace = self.shutdown_grace,
             upstream = self.upstream,
@@ -494,6 +514,8 @@ lease = "{lease}"
             pool = self.pool_size,
             lease = self.lease,
             defaults = self.defaults,
+            store = self.store,
+            routes = self.routes,
         )
     }
 }
@@ -549,9 +571,13 @@ impl ProxyProc {
 
     /// `GET /readyz` (None if the admin listener does not answer).
     pub async fn readyz(&self) -> Option<Resp> {
+        self.admin_get("/readyz").await
+    }
+
+    async fn admin_get(&self, path: &str) -> Option<Resp> {
         tokio::time::timeout(
             Duration::from_secs(3),
-            HttpClient::new().try_send(Req::get(&self.admin_url("/readyz"))),
+            HttpClient::new().try_send(Req::get(&self.admin_url(path))),
         )
         .await
         .ok()?
@@ -560,13 +586,7 @@ impl ProxyProc {
 
     /// `GET /readyz/store` (None if the admin listener does not answer).
     pub async fn store_readyz(&self) -> Option<Resp> {
-        tokio::time::timeout(
-            Duration::from_secs(3),
-            HttpClient::new().try_send(Req::get(&self.admin_url("/readyz/store"))),
-        )
-        .await
-        .ok()?
-        .ok()
+        self.admin_get("/readyz/store").await
     }
 
     /// Waits until `/readyz/store` answers 200.

@@ -58,26 +58,27 @@ pub fn bindir() -> Option<PathBuf> {
     found.pop().map(|(_, b)| b)
 }
 
-/// The server binaries, or `None` after saying why the test is skipped.
-/// In CI (`CI` set) missing binaries are a failure, not a skip.
-pub fn bindir_or_skip(test: &str) -> Option<PathBuf> {
-    match bindir() {
-        Some(b) => Some(b),
-        None if std::env::var_os("CI").is_some() => panic!(
-            "{test} needs the PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup): \
-             install them or set IDEMPROXY_PG_BINDIR"
-        ),
-        None => {
-            eprintln!(
-                "SKIPPED {test}: no PostgreSQL server binaries in /usr/lib/postgresql/*/bin \
-                 (set IDEMPROXY_PG_BINDIR)"
-            );
-            None
-        }
-    }
+/// The server binaries; panics, naming what to install, when there are
+/// none. A test that cannot run fails: a skip that passes would hide the
+/// missing coverage, in CI and on a developer's machine alike.
+pub fn require_bindir(test: &str) -> PathBuf {
+    bindir().unwrap_or_else(|| {
+        panic!(
+            "{test} needs the PostgreSQL server binaries (initdb, pg_ctl, postgres, \
+             pg_basebackup), found in neither IDEMPROXY_PG_BINDIR nor \
+             /usr/lib/postgresql/*/bin: install the PostgreSQL server package \
+             (Debian/Ubuntu: postgresql) or set IDEMPROXY_PG_BINDIR"
+        )
+    })
 }
 
-fn is_root() -> bool {
+/// [`require_bindir`], under its former name: it no longer skips (a test
+/// that cannot run fails), so it always returns `Some`.
+pub fn bindir_or_skip(test: &str) -> Option<PathBuf> {
+    Some(require_bindir(test))
+}
+
+pub(crate) fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -85,7 +86,9 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-fn server_user() -> Option<String> {
+/// The unprivileged user that server processes run as when the tests run
+/// as root (`None` otherwise).
+pub(crate) fn server_user() -> Option<String> {
     if !is_root() {
         return None;
     }
@@ -325,6 +328,11 @@ impl PgCluster {
     /// `postgres://postgres@127.0.0.1:PORT/DB`.
     pub fn url(&self, db: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// The whole server log.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     pub fn log_tail(&self, lines: usize) -> String {
