@@ -1094,3 +1094,65 @@ async fn sigterm_waits_for_a_completion_being_retried_in_the_background() {
         term_at.elapsed()
     );
 }
+
+// A completion retried in the background that finds its lease lost (another
+// attempt took the key over meanwhile) stores nothing and is counted as a
+// lost lease, like one refused while its client waited.
+#[tokio::test]
+async fn a_lease_lost_during_a_background_completion_retry_is_counted() {
+    let dir = TempDir::new("retry-lost");
+    let db = TestDb::new().await;
+    let up = UpstreamProc::start(&dir).await;
+    let proxy = ProxyProc::start(
+        &dir,
+        "proxy",
+        &ProxyConfig::new(&up.url(), &db.url)
+            .lease("10s")
+            .store_timeout("300ms"),
+    )
+    .await;
+    let client = spawn_post(
+        &proxy,
+        "k-retry-lost",
+        &[("x-sample-delay-ms", "800")],
+        Duration::from_secs(10),
+    );
+    up.wait_executions("k-retry-lost", 1, Duration::from_secs(5))
+        .await;
+    let mut locker = support::connect(&db.url).await;
+    let tx = locker.transaction().await.unwrap();
+    tx.batch_execute("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let answer = client.await.unwrap().unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+    // While the completion waits in the background, another owner takes
+    // the key (what a takeover writes).
+    let taken = tx
+        .execute(
+            "UPDATE idempotency_records
+                SET owner_token = gen_random_uuid(), attempt = attempt + 1
+              WHERE idempotency_key = 'k-retry-lost'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(taken, 1);
+    tx.commit().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric("idemproxy_lost_leases_total").await < 1.0 {
+        assert!(Instant::now() < deadline, "{}", proxy.proc.log_tail(10));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sql = db.client().await;
+    let row = read_row(&sql, "", "k-retry-lost").await.unwrap();
+    assert_eq!(
+        (row.state.as_str(), row.attempt),
+        ("in_flight", 2),
+        "the fence kept the retry out"
+    );
+    assert!(proxy
+        .proc
+        .log_text()
+        .contains("lease lost before the response could be stored"));
+}

@@ -587,3 +587,38 @@ async fn h2c_keyed_post_executes_once_and_replays_over_h2c_and_http1() {
     assert_eq!(over_h1.body, first.body);
     assert_eq!(h.upstream.executions("k-h2c"), 1);
 }
+
+// DESIGN.md §8.4: a statement cut off by store.timeout (here: blocked by a
+// lock, as on a frozen primary) must not hand its connection, with the
+// late answer still due on it, to the next caller: the connection is closed
+// and the pool opens a fresh one.
+#[tokio::test]
+async fn a_connection_whose_statement_timed_out_is_closed_not_reused() {
+    let h = common::Harness::start(Setup::default()).await;
+    let mut config = h.setup.config(&h.upstream.url(), &h.db.url).store;
+    config.timeout = Duration::from_millis(300);
+    let store = Store::new(&config).unwrap();
+    store.show("", "warm-up", false).await.unwrap();
+    let (open_before, idle_before, _) = store.pool_status();
+    assert_eq!((open_before, idle_before), (1, 1));
+
+    let mut locker = h.db.client().await;
+    let tx = locker.transaction().await.unwrap();
+    tx.batch_execute("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let err = store.show("", "blocked", false).await.unwrap_err();
+    assert!(
+        matches!(err, idemproxy::store::StoreError::Timeout(_)),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let (open_after, _, _) = store.pool_status();
+    assert_eq!(open_after, 0, "the cut-off connection left the pool");
+    // Its backend sees the client gone once the lock is released; the
+    // next caller gets a fresh connection and a correct answer.
+    tx.rollback().await.unwrap();
+    assert!(store.show("", "blocked", false).await.unwrap().is_none());
+    assert_eq!(store.pool_status().0, 1);
+}
