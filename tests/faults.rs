@@ -1054,23 +1054,7 @@ async fn sigterm_waits_for_a_completion_being_retried_in_the_background() {
             .shutdown_grace("10s"),
     )
     .await;
-    let client = spawn_post(
-        &proxy,
-        "k-retry",
-        &[("x-sample-delay-ms", "800")],
-        Duration::from_secs(10),
-    );
-    up.wait_executions("k-retry", 1, Duration::from_secs(5))
-        .await;
-    // Lock the store out while the upstream answers: the completion times
-    // out and goes to the background.
-    let mut locker = support::connect(&db.url).await;
-    let tx = locker.transaction().await.unwrap();
-    tx.batch_execute("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
-        .await
-        .unwrap();
-    let answer = client.await.unwrap().unwrap();
-    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+    let (answer, locker) = answer_while_the_store_is_locked(&proxy, &up, &db.url, "k-retry").await;
     proxy.proc.signal("TERM");
     let term_at = Instant::now();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -1078,7 +1062,7 @@ async fn sigterm_waits_for_a_completion_being_retried_in_the_background() {
         proxy.proc.is_running(),
         "exited while its completion was still being retried"
     );
-    tx.rollback().await.unwrap();
+    locker.batch_execute("ROLLBACK").await.unwrap();
     let released_at = term_at.elapsed();
     let status = proxy
         .proc
@@ -1111,24 +1095,10 @@ async fn a_lease_lost_during_a_background_completion_retry_is_counted() {
             .store_timeout("300ms"),
     )
     .await;
-    let client = spawn_post(
-        &proxy,
-        "k-retry-lost",
-        &[("x-sample-delay-ms", "800")],
-        Duration::from_secs(10),
-    );
-    up.wait_executions("k-retry-lost", 1, Duration::from_secs(5))
-        .await;
-    let mut locker = support::connect(&db.url).await;
-    let tx = locker.transaction().await.unwrap();
-    tx.batch_execute("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
-        .await
-        .unwrap();
-    let answer = client.await.unwrap().unwrap();
-    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+    let (_, locker) = answer_while_the_store_is_locked(&proxy, &up, &db.url, "k-retry-lost").await;
     // While the completion waits in the background, another owner takes
     // the key (what a takeover writes).
-    let taken = tx
+    let taken = locker
         .execute(
             "UPDATE idempotency_records
                 SET owner_token = gen_random_uuid(), attempt = attempt + 1
@@ -1138,7 +1108,7 @@ async fn a_lease_lost_during_a_background_completion_retry_is_counted() {
         .await
         .unwrap();
     assert_eq!(taken, 1);
-    tx.commit().await.unwrap();
+    locker.batch_execute("COMMIT").await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     while proxy.metric("idemproxy_lost_leases_total").await < 1.0 {
         assert!(Instant::now() < deadline, "{}", proxy.proc.log_tail(10));
@@ -1155,4 +1125,32 @@ async fn a_lease_lost_during_a_background_completion_retry_is_counted() {
         .proc
         .log_text()
         .contains("lease lost before the response could be stored"));
+}
+
+/// Sends a keyed POST whose upstream answer (after 800 ms) arrives while
+/// the records table is locked: the client gets its answer, the completion
+/// times out (the proxy's store timeout must be well under 800 ms) and is
+/// retried in the background. Returns the answer and the connection that
+/// holds the lock, in an open transaction (end it with ROLLBACK or COMMIT).
+async fn answer_while_the_store_is_locked(
+    proxy: &ProxyProc,
+    up: &UpstreamProc,
+    db_url: &str,
+    key: &str,
+) -> (common::Resp, tokio_postgres::Client) {
+    let client = spawn_post(
+        proxy,
+        key,
+        &[("x-sample-delay-ms", "800")],
+        Duration::from_secs(10),
+    );
+    up.wait_executions(key, 1, Duration::from_secs(5)).await;
+    let locker = support::connect(db_url).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let answer = client.await.unwrap().unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+    (answer, locker)
 }

@@ -69,37 +69,34 @@ pub(crate) const RECLAIM: Sql = Sql {
     ],
 };
 
+/// The parameters of [`COMPLETE`], then those given in the call.
+macro_rules! complete_types {
+    ($($extra:expr),*) => {
+        &[
+            Type::TEXT,
+            Type::TEXT,
+            Type::UUID,
+            Type::INT8,
+            Type::INT2,
+            Type::TEXT_ARRAY,
+            Type::BYTEA_ARRAY,
+            Type::BYTEA,
+            Type::BOOL,
+            $($extra),*
+        ]
+    };
+}
+
 /// Stores the response, fenced by the owner token.
 pub(crate) const COMPLETE: Sql = Sql {
     text: include_str!("sql/complete.sql"),
-    types: &[
-        Type::TEXT,
-        Type::TEXT,
-        Type::UUID,
-        Type::INT8,
-        Type::INT2,
-        Type::TEXT_ARRAY,
-        Type::BYTEA_ARRAY,
-        Type::BYTEA,
-        Type::BOOL,
-    ],
+    types: complete_types!(),
 };
 
 /// [`COMPLETE`] that also notifies the key's id (one more parameter).
 pub(crate) const COMPLETE_NOTIFY: Sql = Sql {
     text: include_str!("sql/complete_notify.sql"),
-    types: &[
-        Type::TEXT,
-        Type::TEXT,
-        Type::UUID,
-        Type::INT8,
-        Type::INT2,
-        Type::TEXT_ARRAY,
-        Type::BYTEA_ARRAY,
-        Type::BYTEA,
-        Type::BOOL,
-        Type::TEXT,
-    ],
+    types: complete_types!(Type::TEXT),
 };
 
 /// Renews a batch of leases.
