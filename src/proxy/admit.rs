@@ -89,9 +89,7 @@ impl Keyed<'_> {
         let header = self.route.policy.derived_key_header.clone()?;
         let value = match self.route.policy.derived_key {
             DerivedKey::Sha256 => self.record.id().hex(),
-            DerivedKey::TenantKey => {
-                format!("{}:{}", self.record.tenant.as_str(), self.record.key)
-            }
+            DerivedKey::TenantKey => self.record.tenant_key(),
         };
         Some((header, HeaderValue::from_str(&value).ok()?))
     }
