@@ -11,12 +11,26 @@
 //! a client that connects and sends nothing would hold its socket forever.
 //! Malformed requests are refused by hyper's parser with a 4xx (400, 431)
 //! before the proxy sees them, so nothing is stored or forwarded.
+//!
+//! Connections themselves are bounded (DESIGN.md §8.6, [`ConnectionLimits`]):
+//! at most `max_connections` are open at once, and one past it is closed as
+//! soon as it is accepted, so the client learns at once rather than
+//! waiting unseen in the kernel's backlog; an h2 connection advertises
+//! `h2_max_concurrent_streams`; and a connection with no request in
+//! progress for `idle_timeout` is shut down gracefully (h2 `GOAWAY`;
+//! HTTP/1.1 closed between requests). The idle clock is kept here, by
+//! counting requests in progress, because hyper has no idle timeout of its
+//! own for h2 (its keep-alive pings detect dead peers, not idle ones). That
+//! is also why connections are drained with a cancellation token and a
+//! task tracker rather than hyper-util's `GracefulShutdown`, whose watcher
+//! takes the connection and leaves no way to shut it down for idleness.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -24,9 +38,11 @@ use hyper::rt::{Read, Write};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
 use crate::proxy::{ClientInfo, Proxy, ProxyBody};
@@ -39,9 +55,35 @@ pub trait Handler: Send + Sync + 'static {
         req: Request<Incoming>,
         client: ClientInfo,
     ) -> impl Future<Output = Response<ProxyBody>> + Send;
+
+    /// Limits on the connections it is served over; none by default.
+    fn limits(&self) -> ConnectionLimits {
+        ConnectionLimits::default()
+    }
+}
+
+/// Bounds on a listener's client connections; `None`: hyper's default (no
+/// bound for the connection count and the idle time, 200 h2 streams).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ConnectionLimits {
+    /// Most connections open at once; those past it are closed on accept.
+    pub max_connections: Option<usize>,
+    /// Most concurrent streams on one h2 connection.
+    pub h2_max_concurrent_streams: Option<u32>,
+    /// How long a connection may stay open with no request in progress.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Handler for Proxy {
+    fn limits(&self) -> ConnectionLimits {
+        let server = &self.config().server;
+        ConnectionLimits {
+            max_connections: Some(server.max_connections),
+            h2_max_concurrent_streams: Some(server.h2_max_concurrent_streams),
+            idle_timeout: Some(server.idle_timeout),
+        }
+    }
+
     async fn call(
         self: Arc<Self>,
         req: Request<Incoming>,
@@ -109,13 +151,20 @@ pub async fn serve_with<H: Handler>(
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) {
+    let limits = handler.limits();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(options.header_read_timeout);
-    builder.http2().timer(TokioTimer::new());
-    let graceful = GracefulShutdown::new();
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.h2_max_concurrent_streams);
+    let slots = limits.max_connections.map(|n| Arc::new(Semaphore::new(n)));
+    let mut refused = Refusals::default();
+    let stop = CancellationToken::new();
+    let connections = TaskTracker::new();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -130,19 +179,32 @@ pub async fn serve_with<H: Handler>(
                         continue;
                     }
                 };
+                let slot = match &slots {
+                    None => None,
+                    Some(slots) => match slots.clone().try_acquire_owned() {
+                        Ok(permit) => Some(permit),
+                        Err(_) => {
+                            // Dropped: closed before a byte is read.
+                            refused.count(limits.max_connections.unwrap_or_default());
+                            continue;
+                        }
+                    },
+                };
                 let _ = stream.set_nodelay(true);
                 let connection = Connection {
                     builder: builder.clone(),
                     handler: handler.clone(),
-                    watcher: graceful.watcher(),
+                    stop: stop.clone(),
+                    idle_timeout: limits.idle_timeout,
                     addr,
+                    _slot: slot,
                 };
                 match &options.tls {
                     None => {
-                        tokio::spawn(connection.sniff(stream, options.header_read_timeout));
+                        connections.spawn(connection.sniff(stream, options.header_read_timeout));
                     }
                     Some(acceptor) => {
-                        tokio::spawn(connection.handshake(
+                        connections.spawn(connection.handshake(
                             acceptor.clone(),
                             stream,
                             options.header_read_timeout,
@@ -154,10 +216,77 @@ pub async fn serve_with<H: Handler>(
         }
     }
     drop(listener);
+    stop.cancel();
+    connections.close();
     tokio::select! {
-        () = graceful.shutdown() => {}
+        () = connections.wait() => {}
         () = tokio::time::sleep(grace) => {
             warn!(?grace, "shutdown grace elapsed with connections still open; closing them");
+        }
+    }
+}
+
+/// Connections closed for `max_connections`, warned about at most every
+/// 10 s: a flood must not become a flood of log lines.
+#[derive(Default)]
+struct Refusals {
+    since_warning: u64,
+    warned_at: Option<Instant>,
+}
+
+impl Refusals {
+    fn count(&mut self, limit: usize) {
+        self.since_warning += 1;
+        let due = self
+            .warned_at
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(10));
+        if due {
+            warn!(
+                limit,
+                refused = self.since_warning,
+                "server.max_connections reached: closing new connections"
+            );
+            self.since_warning = 0;
+            self.warned_at = Some(Instant::now());
+        }
+    }
+}
+
+/// Requests in progress on one connection, and a wake-up when that changes.
+#[derive(Default)]
+struct Activity {
+    active: AtomicUsize,
+    changed: Notify,
+}
+
+impl Activity {
+    /// Counts a request in progress until the guard is dropped (when the
+    /// handler has produced the response head; a body still streaming is
+    /// left to hyper's graceful shutdown, which finishes it).
+    fn begin(self: &Arc<Self>) -> impl Drop + Send {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+        scopeguard::guard(self.clone(), |a| {
+            a.active.fetch_sub(1, Ordering::SeqCst);
+            a.changed.notify_waiters();
+        })
+    }
+
+    /// Resolves once no request has been in progress for `timeout`.
+    async fn idle_for(&self, timeout: Duration) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the count is read: no change is missed.
+            changed.as_mut().enable();
+            if self.active.load(Ordering::SeqCst) == 0 {
+                tokio::select! {
+                    () = tokio::time::sleep(timeout) => return,
+                    () = changed => {}
+                }
+            } else {
+                changed.await;
+            }
         }
     }
 }
@@ -166,8 +295,13 @@ pub async fn serve_with<H: Handler>(
 struct Connection<H> {
     builder: auto::Builder<TokioExecutor>,
     handler: Arc<H>,
-    watcher: Watcher,
+    /// Cancelled when the listener drains: shut down gracefully.
+    stop: CancellationToken,
+    /// Shut down gracefully after this long with no request in progress.
+    idle_timeout: Option<Duration>,
     addr: SocketAddr,
+    /// Its place under `max_connections`, given back when it ends.
+    _slot: Option<OwnedSemaphorePermit>,
 }
 
 /// The HTTP version a connection speaks.
@@ -235,20 +369,66 @@ impl<H: Handler> Connection<H> {
         let Connection {
             builder,
             handler,
-            watcher,
+            stop,
+            idle_timeout,
             addr,
+            _slot,
         } = self;
         let client = ClientInfo { addr, proto };
+        let activity = Arc::new(Activity::default());
+        let counted = activity.clone();
         let service = service_fn(move |req| {
             let handler = handler.clone();
-            async move { Ok::<_, Infallible>(handler.call(req, client).await) }
+            let guard = counted.begin();
+            async move {
+                let response = handler.call(req, client).await;
+                drop(guard);
+                Ok::<_, Infallible>(response)
+            }
         });
         let builder = match protocol {
             Protocol::Http1 => builder.http1_only(),
             Protocol::H2 => builder.http2_only(),
         };
         let conn = builder.serve_connection(io, service).into_owned();
-        if let Err(e) = watcher.watch(conn).await {
+        tokio::pin!(conn);
+        let idle = async {
+            match idle_timeout {
+                Some(t) => activity.idle_for(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(idle);
+        let mut closing = false;
+        // A graceful h2 shutdown waits for the client to acknowledge a
+        // ping, which a hostile client never does: an idle connection gets
+        // one more idle period to close, then it is dropped.
+        let cut = tokio::time::sleep(Duration::MAX);
+        tokio::pin!(cut);
+        let mut cutting = false;
+        let result = loop {
+            tokio::select! {
+                result = conn.as_mut() => break result,
+                () = stop.cancelled(), if !closing => {
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+                () = &mut idle, if !closing => {
+                    debug!(client = %addr, "closing an idle connection");
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                    if let Some(t) = idle_timeout {
+                        cut.as_mut().reset(tokio::time::Instant::now() + t);
+                        cutting = true;
+                    }
+                }
+                () = &mut cut, if cutting => {
+                    debug!(client = %addr, "an idle connection did not close gracefully; dropping it");
+                    return;
+                }
+            }
+        };
+        if let Err(e) = result {
             debug!(error = %e, client = %addr, "connection ended with an error");
         }
     }

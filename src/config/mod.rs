@@ -82,6 +82,16 @@ pub struct ServerConfig {
     /// Most duplicates that may wait for their originals at once (`wait`);
     /// past it a duplicate gets 409 at once.
     pub max_waiters: usize,
+    /// How long a keyed request's body may take to arrive after its
+    /// headers (408 past it).
+    pub body_read_timeout: Duration,
+    /// Most client connections open at once on the proxy listener.
+    pub max_connections: usize,
+    /// Most concurrent streams on one h2 connection.
+    pub h2_max_concurrent_streams: u32,
+    /// How long a client connection may stay open with no request in
+    /// progress.
+    pub idle_timeout: Duration,
 }
 
 /// `[upstream]`.
@@ -193,7 +203,9 @@ pub struct Policy {
 pub enum DerivedKey {
     /// Hex SHA-256 of the tenant and the key: stable, opaque, fixed length.
     Sha256,
-    /// `tenant:key` in clear (the stored tenant: a digest on `tenant_hash` routes).
+    /// `tenant:key` in clear, `%` and `:` percent-encoded in the tenant so
+    /// that the first `:` ends it (the stored tenant: a digest on
+    /// `tenant_hash` routes).
     TenantKey,
 }
 

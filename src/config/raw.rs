@@ -53,6 +53,14 @@ pub(super) struct RawServer {
     pub(super) tls_key_file: Option<Spanned<String>>,
     /// Most duplicates that may wait for their in-flight originals at once (see `wait`); past it a duplicate gets 409 at once; at least 0.
     pub(super) max_waiters: Option<Spanned<i64>>,
+    /// How long a keyed request's whole body may take to arrive after its headers; a body still incomplete then gets 408 and nothing is stored or forwarded; greater than 0.
+    pub(super) body_read_timeout: Option<Spanned<String>>,
+    /// Most client connections open at once on the proxy listener; a connection past it is closed as soon as it is accepted; 1 to 1000000.
+    pub(super) max_connections: Option<Spanned<i64>>,
+    /// Most concurrent streams (requests) on one h2 connection, advertised to the client; 1 to 10000.
+    pub(super) h2_max_concurrent_streams: Option<Spanned<i64>>,
+    /// How long a client connection (HTTP/1.1 or h2) may stay open with no request in progress before it is closed gracefully (h2: GOAWAY); greater than 0.
+    pub(super) idle_timeout: Option<Spanned<String>>,
 }
 
 /// `[upstream]`.
@@ -166,8 +174,8 @@ policy_keys! {
     max_stored_response: String,
     /// How long a duplicate waits for an in-flight original before getting 409; `"0s"`: answer 409 at once.
     wait: String,
-    /// Header in which a key derived from tenant and key is forwarded to the upstream (the client's key header is forwarded too, unchanged); `""`: none.
+    /// Header in which a key derived from tenant and key is forwarded to the upstream (the client's key header is forwarded too, unchanged); `""`: none. A client's own value is removed from every request.
     derived_key_header: String,
-    /// Form of the derived key: `"sha256"` (hex SHA-256 of tenant and key) or `"tenant_key"` (`tenant:key`, the stored tenant).
+    /// Form of the derived key: `"sha256"` (hex SHA-256 of tenant and key) or `"tenant_key"` (the stored tenant with `%` and `:` percent-encoded, `:`, then the key).
     derived_key: String,
 }

@@ -34,6 +34,32 @@ impl RecordKey {
     pub fn id(&self) -> KeyId {
         KeyId::new(&self.tenant, &self.key)
     }
+
+    /// The readable derived key (`derived_key = "tenant_key"`): the tenant
+    /// with `%` and `:` percent-encoded (`%25`, `%3A`), a `:`, then the key
+    /// as it is.
+    ///
+    /// Why this form: the encoded tenant holds no `:`, so the first `:`
+    /// ends it and an upstream reads both parts back (split at the first
+    /// `:`, percent-decode the tenant); two different pairs therefore never
+    /// derive the same value. `a:b` + `c` gives `a%3Ab:c`, `a` + `b:c`
+    /// gives `a:b:c`. A tenant without `%` or `:` is written as it is, so
+    /// the value is the plain `tenant:key` it always was for those;
+    /// hashed tenants (`sha256:…`) do change form.
+    pub fn tenant_key(&self) -> String {
+        let tenant = self.tenant.as_str();
+        let mut out = String::with_capacity(tenant.len() + 1 + self.key.as_str().len());
+        for c in tenant.chars() {
+            match c {
+                '%' => out.push_str("%25"),
+                ':' => out.push_str("%3A"),
+                c => out.push(c),
+            }
+        }
+        out.push(':');
+        out.push_str(self.key.as_str());
+        out
+    }
 }
 
 /// SHA-256 of a tenant and a key.
@@ -90,6 +116,60 @@ mod tests {
         assert_ne!(a, KeyId::new(&TenantId::from_stored("b"), &k("b")));
         assert_ne!(a, KeyId::new(&TenantId::from_stored("a:b"), &k("c")));
         assert_eq!(a, KeyId::of_stored("a", "b"));
+    }
+
+    fn rk(tenant: &str, key: &str) -> RecordKey {
+        RecordKey::new(TenantId::from_stored(tenant), k(key))
+    }
+
+    #[test]
+    fn tenant_key_form_keeps_a_colon_in_the_tenant_apart_from_the_separator() {
+        assert_ne!(rk("a:b", "c").tenant_key(), rk("a", "b:c").tenant_key());
+        assert_ne!(rk("a%", "b").tenant_key(), rk("a", "%b").tenant_key());
+        assert_ne!(
+            rk("a%3Ab", "c").tenant_key(),
+            rk("a:b", "c").tenant_key(),
+            "an escape sequence in a tenant is escaped itself"
+        );
+    }
+
+    #[test]
+    fn tenant_key_form_is_unchanged_for_tenants_without_colon_or_percent() {
+        assert_eq!(rk("acme", "o-1").tenant_key(), "acme:o-1");
+        assert_eq!(rk("acme corp", "a:b%c").tenant_key(), "acme corp:a:b%c");
+        assert_eq!(rk("", "k").tenant_key(), ":k");
+    }
+
+    /// What an upstream does with the value: split at the first `:`,
+    /// percent-decode the tenant.
+    fn read_back(derived: &str) -> (String, String) {
+        let (tenant, key) = derived.split_once(':').expect("a separator");
+        let tenant = tenant.replace("%3A", ":").replace("%25", "%");
+        (tenant, key.to_owned())
+    }
+
+    proptest::proptest! {
+        /// The pair can be read back from the value, so two different pairs
+        /// never derive the same one. The alphabet is small and full of
+        /// separators and escapes, so near misses are the common case.
+        #[test]
+        fn tenant_key_form_reads_back_to_its_pair(
+            tenant in "[a:%3A ]{0,8}", key in "[a:%3A]{1,8}",
+        ) {
+            let derived = rk(&tenant, &key).tenant_key();
+            proptest::prop_assert_eq!(read_back(&derived), (tenant, key));
+        }
+
+        #[test]
+        fn tenant_key_form_never_collides(
+            t1 in "[a:%3A]{0,6}", k1 in "[a:%3A]{1,6}",
+            t2 in "[a:%3A]{0,6}", k2 in "[a:%3A]{1,6}",
+        ) {
+            let (a, b) = (rk(&t1, &k1), rk(&t2, &k2));
+            if a != b {
+                proptest::prop_assert_ne!(a.tenant_key(), b.tenant_key());
+            }
+        }
     }
 
     #[test]

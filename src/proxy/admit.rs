@@ -14,6 +14,7 @@
 //! fingerprint and what the upstream gets cannot differ.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
@@ -89,9 +90,7 @@ impl Keyed<'_> {
         let header = self.route.policy.derived_key_header.clone()?;
         let value = match self.route.policy.derived_key {
             DerivedKey::Sha256 => self.record.id().hex(),
-            DerivedKey::TenantKey => {
-                format!("{}:{}", self.record.tenant.as_str(), self.record.key)
-            }
+            DerivedKey::TenantKey => self.record.tenant_key(),
         };
         Some((header, HeaderValue::from_str(&value).ok()?))
     }
@@ -118,10 +117,12 @@ impl Proxy {
             Ok(tenant) => tenant,
             Err(p) => return refused(p),
         };
-        let (parts, body) = match read_body(req, self.config.server.max_request_body).await {
-            Ok(read) => read,
-            Err(p) => return refused(p),
-        };
+        let server = &self.config.server;
+        let (parts, body) =
+            match read_body(req, server.max_request_body, server.body_read_timeout).await {
+                Ok(read) => read,
+                Err(p) => return refused(p),
+            };
         let fingerprint = Fingerprint::compute(
             policy.fingerprint,
             parts.method.as_str(),
@@ -186,9 +187,17 @@ fn tenant(route: &Route, headers: &HeaderMap) -> Result<TenantId, Problem> {
     })
 }
 
-/// Reads the whole body, up to `limit` bytes. A declared length over the
-/// limit is refused before a byte of the body is read.
-async fn read_body(req: Request<Incoming>, limit: u64) -> Result<(request::Parts, Bytes), Problem> {
+/// Reads the whole body, up to `limit` bytes, within `timeout`. A declared
+/// length over the limit is refused before a byte of the body is read.
+///
+/// Why a deadline on the whole body, not on each read: a client that
+/// trickles a byte a second would pass any per-read bound while it holds a
+/// task and up to `limit` bytes of memory.
+async fn read_body(
+    req: Request<Incoming>,
+    limit: u64,
+    timeout: Duration,
+) -> Result<(request::Parts, Bytes), Problem> {
     let too_large = || {
         Problem::new(
             ProblemKind::RequestTooLarge,
@@ -204,10 +213,17 @@ async fn read_body(req: Request<Incoming>, limit: u64) -> Result<(request::Parts
         return Err(too_large());
     }
     let (parts, body) = req.into_parts();
-    match Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX))
-        .collect()
-        .await
-    {
+    let collect = Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX)).collect();
+    let Ok(collected) = tokio::time::timeout(timeout, collect).await else {
+        return Err(Problem::new(
+            ProblemKind::RequestTimeout,
+            format!(
+                "the request body did not arrive within {}; nothing was stored or forwarded",
+                humantime::format_duration(timeout)
+            ),
+        ));
+    };
+    match collected {
         Ok(c) => Ok((parts, c.to_bytes())),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
         Err(e) => Err(Problem::new(

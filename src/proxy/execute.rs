@@ -174,6 +174,8 @@ impl Proxy {
         );
         match settle(e.outcome(), release_on) {
             Settlement::Release => {
+                // The chain (address, OS error) is for the operator only.
+                warn!(key = %k.record.key, attempt = claim.attempt, error = %e, "upstream not reached: the claim is released");
                 self.release(k, claim).await;
                 Handled::problem(problem, Outcome::Released)
             }

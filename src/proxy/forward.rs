@@ -16,6 +16,7 @@ use http::{request, response, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use tracing::warn;
 
 use super::problem::{Forwarded, Problem};
 use super::{headers, BoxError, ClientInfo, Handled, Proxy, ProxyBody, ATTEMPT};
@@ -40,10 +41,14 @@ impl Proxy {
         self.metrics.upstream(started.elapsed());
         match result {
             Ok(resp) => Handled::new(stream_response(resp), Outcome::Passthrough),
-            Err(e) => Handled::problem(
-                Problem::upstream(&e, Forwarded::Unprotected),
-                Outcome::Passthrough,
-            ),
+            Err(e) => {
+                // The chain (address, OS error) is for the operator only.
+                warn!(error = %e, "upstream exchange failed");
+                Handled::problem(
+                    Problem::upstream(&e, Forwarded::Unprotected),
+                    Outcome::Passthrough,
+                )
+            }
         }
     }
 
@@ -58,6 +63,15 @@ impl Proxy {
         let uri = self.upstream.uri_for(parts.uri.path_and_query())?;
         let mut h = parts.headers.clone();
         headers::strip_hop_by_hop(&mut h);
+        // Only the proxy speaks in a derived-key header: a client's value
+        // could name another tenant's key to an upstream that deduplicates
+        // on it. Every route's header goes, whatever route (if any) this
+        // request took; a keyed forward then sets its own.
+        for route in &self.config.routes {
+            if let Some(name) = &route.policy.derived_key_header {
+                h.remove(name);
+            }
+        }
         let original_host = parts
             .headers
             .get(HOST)

@@ -240,13 +240,21 @@ impl Proxy {
                     error = %e,
                     "store unavailable: forwarding UNPROTECTED (on_store_error = pass_through); a retry may execute twice"
                 );
-                let req = match self.forward_request(&k.parts, full(k.body.clone()), k.client, None)
-                {
-                    Ok(r) => r,
-                    Err(e) => {
-                        return Handled::problem(Problem::unforwardable(&e), Outcome::StoreError)
-                    }
-                };
+                let mut req =
+                    match self.forward_request(&k.parts, full(k.body.clone()), k.client, None) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            return Handled::problem(
+                                Problem::unforwardable(&e),
+                                Outcome::StoreError,
+                            )
+                        }
+                    };
+                // Unprotected here is exactly when an upstream that
+                // deduplicates on the derived key needs it.
+                if let Some((name, value)) = k.derived_key() {
+                    req.headers_mut().insert(name, value);
+                }
                 let mut h = self.forward_streaming(req).await;
                 h.outcome = Outcome::StoreError;
                 h

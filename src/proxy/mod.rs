@@ -36,27 +36,30 @@ mod admit;
 mod execute;
 mod forward;
 mod keyed;
+mod path;
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue};
-use http::{Request, Response};
+use http::uri::PathAndQuery;
+use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use tracing::info;
 
 use crate::cache::ResponseCache;
-use crate::config::Config;
+use crate::config::{Config, Route};
 use crate::lease::Renewer;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::Store;
 use crate::waiters::Waiters;
 use admit::Admission;
-use problem::Problem;
+use problem::{Problem, ProblemKind};
 use upstream::Upstream;
 
 /// Errors carried by proxied bodies.
@@ -160,6 +163,11 @@ impl Proxy {
         }
     }
 
+    /// The configuration it was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
     /// The lifecycle whose work this proxy's owned requests are.
     pub fn lifecycle(&self) -> &Lifecycle {
         &self.lifecycle
@@ -168,19 +176,61 @@ impl Proxy {
     /// Whether a request may end up owning a claim: a keyed method on a
     /// route, carrying the key header. Cheap: headers only.
     pub fn may_claim<B>(&self, req: &Request<B>) -> bool {
-        self.config.route_for(req.uri().path()).is_some_and(|r| {
-            r.policy.methods.contains(req.method())
-                && req.headers().contains_key(&r.policy.key_header)
-        })
+        self.resolve(req.uri().path())
+            .ok()
+            .and_then(|(_, route)| route)
+            .is_some_and(|r| {
+                r.policy.methods.contains(req.method())
+                    && req.headers().contains_key(&r.policy.key_header)
+            })
+    }
+
+    /// The normal form of a path (see `path`) and the route it matches,
+    /// or why the path is refused.
+    fn resolve<'p>(&self, raw: &'p str) -> Result<(Cow<'p, str>, Option<&Route>), Problem> {
+        let refuse = |a: path::Ambiguous| Problem::new(ProblemKind::AmbiguousPath, a.detail());
+        let normal = path::normalise(raw).map_err(refuse)?;
+        let route = self.config.route_for(&normal);
+        if let Some(slashed) = path::with_slashes_decoded(&normal) {
+            // Refused only when a server that decodes `%2F` would route it
+            // elsewhere: identifiers may hold an encoded slash.
+            let other = slashed.map_err(refuse)?;
+            let same = match (route, self.config.route_for(&other)) {
+                (None, None) => true,
+                (Some(a), Some(b)) => std::ptr::eq(a, b),
+                _ => false,
+            };
+            if !same {
+                return Err(refuse(path::Ambiguous::EncodedSlash));
+            }
+        }
+        Ok((normal, route))
     }
 
     /// Handles one request: admit, then pass through or run the keyed
     /// path, then account for it once.
-    pub async fn handle(&self, req: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
+    pub async fn handle(
+        &self,
+        mut req: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Response<ProxyBody> {
         let started = Instant::now();
         let method = req.method().clone();
-        let path = req.uri().path().to_owned();
-        let matched = self.config.route_for(&path);
+        let original = req.uri().path().to_owned();
+        let (path, matched) = match self.resolve(&original) {
+            Ok((normal, route)) => {
+                if let Cow::Owned(normal) = &normal {
+                    // What the route matched is what is fingerprinted and
+                    // forwarded.
+                    match with_path(req.uri(), normal) {
+                        Ok(uri) => *req.uri_mut() = uri,
+                        Err(p) => return self.refused_early(p, &method, &original, started),
+                    }
+                }
+                (normal.into_owned(), route)
+            }
+            Err(p) => return self.refused_early(p, &method, &original, started),
+        };
         // Labelled by the route that covers the path, keyed method or not.
         let route_label = matched.map_or("unrouted", |r| r.name.as_str());
         let mut key_for_log = None;
@@ -214,4 +264,49 @@ impl Proxy {
         );
         handled.response
     }
+
+    /// A request refused before a route was chosen (its path is
+    /// ambiguous), accounted for as any other refusal.
+    fn refused_early(
+        &self,
+        p: Problem,
+        method: &http::Method,
+        path: &str,
+        started: Instant,
+    ) -> Response<ProxyBody> {
+        self.metrics.request("unrouted", Outcome::Rejected);
+        info!(
+            target: "idemproxy::access",
+            %method,
+            path = %path,
+            route = "unrouted",
+            outcome = Outcome::Rejected.as_str(),
+            status = p.kind.status().as_u16(),
+            duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "request"
+        );
+        p.into_response()
+    }
+}
+
+/// `uri` with its path replaced by `path` (query, scheme and authority
+/// kept).
+fn with_path(uri: &Uri, path: &str) -> Result<Uri, Problem> {
+    let pq = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(PathAndQuery::try_from(pq).map_err(|e| {
+        Problem::new(
+            ProblemKind::InvalidRequest,
+            format!("the request path cannot be forwarded: {e}"),
+        )
+    })?);
+    Uri::from_parts(parts).map_err(|e| {
+        Problem::new(
+            ProblemKind::InvalidRequest,
+            format!("the request path cannot be forwarded: {e}"),
+        )
+    })
 }

@@ -31,6 +31,11 @@ pub enum ProblemKind {
     RequestTooLarge,
     /// The request body could not be read (client aborted, bad framing).
     InvalidRequest,
+    /// A path whose meaning depends on who decodes it (an encoded `/` that
+    /// changes the route, `..` above the root).
+    AmbiguousPath,
+    /// A keyed body that did not arrive within `body_read_timeout`.
+    RequestTimeout,
     /// Same key, same request, original still in flight.
     RequestInProgress,
     /// Same key, different request.
@@ -52,9 +57,9 @@ impl ProblemKind {
     pub fn status(self) -> StatusCode {
         use ProblemKind::*;
         match self {
-            MissingKey | InvalidKey | MissingTenant | InvalidTenant | InvalidRequest => {
-                StatusCode::BAD_REQUEST
-            }
+            MissingKey | InvalidKey | MissingTenant | InvalidTenant | InvalidRequest
+            | AmbiguousPath => StatusCode::BAD_REQUEST,
+            RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             RequestInProgress => StatusCode::CONFLICT,
             KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
@@ -74,6 +79,8 @@ impl ProblemKind {
             InvalidTenant => "invalid-tenant",
             RequestTooLarge => "request-too-large",
             InvalidRequest => "invalid-request",
+            AmbiguousPath => "ambiguous-path",
+            RequestTimeout => "request-timeout",
             RequestInProgress => "request-in-progress",
             KeyReused => "key-reused",
             StoreUnavailable => "store-unavailable",
@@ -94,6 +101,8 @@ impl ProblemKind {
             InvalidTenant => "Invalid tenant",
             RequestTooLarge => "Request body too large",
             InvalidRequest => "Invalid request",
+            AmbiguousPath => "Ambiguous path",
+            RequestTimeout => "Request body timed out",
             RequestInProgress => "A request with this idempotency key is in progress",
             KeyReused => "Idempotency key reused with a different request",
             StoreUnavailable => "Idempotency store unavailable",
@@ -163,20 +172,42 @@ impl Problem {
     /// The status and type say what the failure proves (never sent,
     /// timed out, failed after sending); the detail says what the client
     /// may do next, which depends on whether a claim protected the request.
+    ///
+    /// The texts are fixed: the error's chain names the upstream's address
+    /// and the OS error, which are no client's business (DESIGN.md §8.7).
+    /// Callers log the chain, once.
     pub fn upstream(e: &UpstreamError, forwarded: Forwarded) -> Self {
         let kind = match e {
-            UpstreamError::Connect(_) => ProblemKind::UpstreamUnreachable,
+            UpstreamError::Connect(_) | UpstreamError::Certificate(_) => {
+                ProblemKind::UpstreamUnreachable
+            }
             UpstreamError::Timeout(_) => ProblemKind::UpstreamTimeout,
             UpstreamError::Failed(_) => ProblemKind::UpstreamFailed,
         };
         let Forwarded::Claimed { lease } = forwarded else {
-            return Problem::new(kind, e.to_string());
+            let detail = match e {
+                UpstreamError::Connect(_) => {
+                    "the upstream could not be reached; the request was not sent"
+                }
+                UpstreamError::Certificate(_) => {
+                    "the upstream's TLS certificate could not be verified; the request was not sent"
+                }
+                UpstreamError::Timeout(_) => "the upstream did not answer in time",
+                UpstreamError::Failed(_) => {
+                    "the upstream connection failed after the request was sent"
+                }
+            };
+            return Problem::new(kind, detail);
         };
         match e {
             // Released: nothing ran, so nothing to wait for.
-            UpstreamError::Connect(cause) => Problem::new(
+            UpstreamError::Connect(_) => Problem::new(
                 kind,
-                format!("the upstream could not be reached; the request was not sent and may be retried at once ({cause})"),
+                "the upstream could not be reached; the request was not sent and may be retried at once",
+            ),
+            UpstreamError::Certificate(_) => Problem::new(
+                kind,
+                "the upstream's TLS certificate could not be verified; the request was not sent and may be retried at once",
             ),
             // Kept in flight: a retry gets 409 until the lease expires.
             UpstreamError::Timeout(_) => Problem::new(
@@ -230,13 +261,15 @@ mod tests {
     use super::*;
     use http_body_util::BodyExt;
 
-    const ALL: [ProblemKind; 13] = [
+    const ALL: [ProblemKind; 15] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::MissingTenant,
         ProblemKind::InvalidTenant,
         ProblemKind::RequestTooLarge,
         ProblemKind::InvalidRequest,
+        ProblemKind::AmbiguousPath,
+        ProblemKind::RequestTimeout,
         ProblemKind::RequestInProgress,
         ProblemKind::KeyReused,
         ProblemKind::StoreUnavailable,
@@ -256,6 +289,8 @@ mod tests {
             (InvalidTenant, 400),
             (RequestTooLarge, 413),
             (InvalidRequest, 400),
+            (AmbiguousPath, 400),
+            (RequestTimeout, 408),
             (RequestInProgress, 409),
             (KeyReused, 422),
             (StoreUnavailable, 503),
@@ -286,6 +321,10 @@ mod tests {
                 ProblemKind::UpstreamUnreachable,
             ),
             (
+                UpstreamError::Certificate("unknown issuer".into()),
+                ProblemKind::UpstreamUnreachable,
+            ),
+            (
                 UpstreamError::Timeout(Duration::from_secs(30)),
                 ProblemKind::UpstreamTimeout,
             ),
@@ -297,7 +336,6 @@ mod tests {
         for (e, kind) in cases {
             let plain = Problem::upstream(&e, Forwarded::Unprotected);
             assert_eq!(plain.kind, kind, "{e}");
-            assert_eq!(plain.detail, e.to_string());
             assert_eq!(plain.retry_after, None);
             assert_eq!(
                 Problem::upstream(&e, Forwarded::Claimed { lease }).kind,
@@ -318,7 +356,28 @@ mod tests {
         );
         assert_eq!(p.retry_after, None);
         assert!(p.detail.contains("may be retried at once"));
-        assert!(p.detail.contains("(connection refused)"));
+    }
+
+    #[test]
+    fn upstream_problems_never_carry_the_error_chain() {
+        let chain = "client error (Connect): tcp connect error: Connection refused (os error 111) to 10.1.2.3:8443";
+        for e in [
+            UpstreamError::Connect(chain.into()),
+            UpstreamError::Certificate(chain.into()),
+            UpstreamError::Failed(chain.into()),
+        ] {
+            for forwarded in [
+                Forwarded::Unprotected,
+                Forwarded::Claimed {
+                    lease: Duration::from_secs(1),
+                },
+            ] {
+                let p = Problem::upstream(&e, forwarded);
+                for leak in ["10.1.2.3", "8443", "os error", "refused", "tcp"] {
+                    assert!(!p.detail.contains(leak), "{leak:?} in {:?}", p.detail);
+                }
+            }
+        }
     }
 
     #[test]

@@ -28,6 +28,10 @@ pub enum UpstreamError {
     /// No connection could be made: the request provably never left.
     #[error("could not connect to the upstream: {0}")]
     Connect(String),
+    /// The upstream's TLS certificate did not verify: the connection was
+    /// refused before a request byte was written.
+    #[error("the upstream's certificate did not verify: {0}")]
+    Certificate(String),
     /// No answer within `upstream.timeout`: the outcome is unknown.
     #[error("the upstream did not answer within {0:?}")]
     Timeout(Duration),
@@ -42,7 +46,7 @@ impl UpstreamError {
     /// it was never sent; anything later leaves its outcome unknown.
     pub fn outcome(&self) -> UpstreamOutcome {
         match self {
-            UpstreamError::Connect(_) => UpstreamOutcome::NotSent,
+            UpstreamError::Connect(_) | UpstreamError::Certificate(_) => UpstreamOutcome::NotSent,
             UpstreamError::Timeout(_) | UpstreamError::Failed(_) => UpstreamOutcome::Unknown,
         }
     }
@@ -139,10 +143,35 @@ impl Upstream {
         match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) if e.is_connect() && is_tls_failure(&e) => {
+                Err(UpstreamError::Certificate(error_chain(&e)))
+            }
             Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
             Ok(Err(e)) => Err(UpstreamError::Failed(error_chain(&e))),
         }
     }
+}
+
+/// Whether TLS refused the connection. rustls's error reaches us inside
+/// `io::Error`s (one in another), whose `source()` skips the error each
+/// wraps: look inside them too.
+fn is_tls_failure(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if err.is::<rustls::Error>() {
+            return true;
+        }
+        if let Some(inner) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            if is_tls_failure(inner) {
+                return true;
+            }
+        }
+        next = err.source();
+    }
+    false
 }
 
 /// An error and its causes on one line.
@@ -166,6 +195,23 @@ mod tests {
     fn connect_failure_proves_the_request_was_not_sent() {
         assert_eq!(
             UpstreamError::Connect("refused".into()).outcome(),
+            UpstreamOutcome::NotSent
+        );
+    }
+
+    #[test]
+    fn a_certificate_refused_by_tls_is_told_apart_from_other_io_errors() {
+        let tls = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),
+        );
+        assert!(is_tls_failure(&tls));
+        // As hyper-rustls hands it on: wrapped once more.
+        assert!(is_tls_failure(&std::io::Error::other(tls)));
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(!is_tls_failure(&refused));
+        assert_eq!(
+            UpstreamError::Certificate("x".into()).outcome(),
             UpstreamOutcome::NotSent
         );
     }

@@ -52,6 +52,29 @@ impl Checker<'_> {
             rules::int_in(n, 0..=1_000_000)
                 .and_then(|n| usize::try_from(n).map_err(|err| err.to_string()))
         });
+        let body_read_timeout = get!(
+            self,
+            server.body_read_timeout,
+            raw,
+            base,
+            rules::positive_duration
+        );
+        let max_connections = get!(self, server.max_connections, raw, base, |&n| {
+            rules::int_in(n, 1..=1_000_000)
+                .and_then(|n| usize::try_from(n).map_err(|err| err.to_string()))
+        });
+        let h2_max_concurrent_streams =
+            get!(self, server.h2_max_concurrent_streams, raw, base, |&n| {
+                rules::int_in(n, 1..=10_000)
+                    .and_then(|n| u32::try_from(n).map_err(|err| err.to_string()))
+            });
+        let idle_timeout = get!(
+            self,
+            server.idle_timeout,
+            raw,
+            base,
+            rules::positive_duration
+        );
         let tls = self.listener_tls(raw, base);
         Some(ServerConfig {
             listen: listen?,
@@ -61,6 +84,10 @@ impl Checker<'_> {
             header_read_timeout: header_read_timeout?,
             tls: tls?,
             max_waiters: max_waiters?,
+            body_read_timeout: body_read_timeout?,
+            max_connections: max_connections?,
+            h2_max_concurrent_streams: h2_max_concurrent_streams?,
+            idle_timeout: idle_timeout?,
         })
     }
 

@@ -181,6 +181,10 @@ fn empty_file_is_valid_and_every_key_has_its_default() {
     assert_eq!(config.server.max_request_body, MIB);
     assert_eq!(config.server.shutdown_grace, secs(35));
     assert_eq!(config.server.header_read_timeout, secs(10));
+    assert_eq!(config.server.body_read_timeout, secs(30));
+    assert_eq!(config.server.max_connections, 10_000);
+    assert_eq!(config.server.h2_max_concurrent_streams, 100);
+    assert_eq!(config.server.idle_timeout, secs(60));
     assert_eq!(
         config.upstream.url,
         Uri::from_static("http://127.0.0.1:3000")

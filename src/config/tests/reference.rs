@@ -114,7 +114,7 @@ fn raw_structs_have_the_expected_keys() {
     assert!(keys.contains(&("sweeper", "batch_size")));
     assert!(keys.contains(&("route", "name")));
     assert!(keys.contains(&("defaults", "wait")));
-    assert_eq!(keys.len(), 8 + 4 + 9 + 3 + 12 + 5);
+    assert_eq!(keys.len(), 12 + 4 + 9 + 3 + 12 + 5);
 }
 
 #[test]

@@ -43,6 +43,29 @@ x = 1
 }
 
 #[test]
+fn connection_limits_are_checked_with_the_other_server_keys() {
+    let problems = problems(
+        "[server]\nbody_read_timeout = \"0s\"\nmax_connections = 0\nh2_max_concurrent_streams = 10001\nidle_timeout = \"soon\"\n",
+    );
+    for (key, line) in [
+        ("server.body_read_timeout", 2),
+        ("server.max_connections", 3),
+        ("server.h2_max_concurrent_streams", 4),
+        ("server.idle_timeout", 5),
+    ] {
+        assert_eq!(problem(&problems, key).line, Some(line), "{key}");
+    }
+    assert_eq!(problems.len(), 4, "{problems:#?}");
+    let config = parse_ok(
+        "[server]\nbody_read_timeout = \"5s\"\nmax_connections = 1\nh2_max_concurrent_streams = 1\nidle_timeout = \"1s\"\n",
+    );
+    assert_eq!(config.server.body_read_timeout, secs(5));
+    assert_eq!(config.server.max_connections, 1);
+    assert_eq!(config.server.h2_max_concurrent_streams, 1);
+    assert_eq!(config.server.idle_timeout, secs(1));
+}
+
+#[test]
 fn unknown_keys_and_bad_values_are_reported_together() {
     let problems = problems("[server]\nbogus = 1\nshutdown_grace = \"soon\"\n");
     assert_eq!(problem(&problems, "server.bogus").line, Some(2));
