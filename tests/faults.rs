@@ -699,10 +699,7 @@ async fn slow_response_body_longer_than_the_lease_is_renewed_stored_and_replayed
     dup.assert_problem(409, "request-in-progress");
     let first = original.await.unwrap().unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(
-        &first.body[..],
-        &idemproxy::sample_upstream::body_pattern(640)[..]
-    );
+    assert_eq!(&first.body[..], &sample_upstream::body_pattern(640)[..]);
     let row = read_row(&sql, "", "k-slow-body").await.unwrap();
     assert_eq!((row.state.as_str(), row.attempt), ("completed", 1));
     assert_eq!(row.body.as_deref(), Some(&first.body[..]));

@@ -444,10 +444,7 @@ async fn response_larger_than_max_stored_response_is_passed_on_and_never_replaye
         5000,
         "the first client gets the whole body"
     );
-    assert_eq!(
-        &first.body[..],
-        &idemproxy::sample_upstream::body_pattern(5000)[..]
-    );
+    assert_eq!(&first.body[..], &sample_upstream::body_pattern(5000)[..]);
     let again = h.send(req()).await;
     again.assert_problem(502, "response-not-stored");
     assert!(again.replayed());

@@ -19,12 +19,12 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemproxy::app::{self, Running, ServeOptions};
 use idemproxy::config::{self, Overrides};
-use idemproxy::sample_upstream::SampleUpstreamHandle;
 use idemproxy::store::Store;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
 use rustls::pki_types::ServerName;
+use sample_upstream::SampleUpstreamHandle;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};

@@ -18,8 +18,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idemproxy::app::{self, Running, ServeOptions};
 use idemproxy::config::{self, Config, Overrides};
-use idemproxy::sample_upstream::{SampleUpstream, SampleUpstreamHandle};
 use idemproxy::store::Store;
+use sample_upstream::{SampleUpstream, SampleUpstreamHandle};
 use tokio::sync::oneshot;
 use tokio_postgres::NoTls;
 

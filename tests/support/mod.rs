@@ -19,7 +19,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
@@ -347,7 +347,9 @@ impl UpstreamProc {
     pub async fn start(dir: &TempDir) -> UpstreamProc {
         let mut proc = Proc::new(
             "sample-upstream",
-            env!("CARGO_BIN_EXE_sample-upstream"),
+            sample_upstream_bin()
+                .to_str()
+                .expect("a UTF-8 path to sample-upstream"),
             vec!["--listen".into(), "127.0.0.1:0".into()],
             dir.join("sample-upstream.log"),
         )
@@ -415,6 +417,63 @@ impl UpstreamProc {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// The `sample-upstream` binary of this build.
+///
+/// It belongs to another package of the workspace, and Cargo hands a test
+/// only its own package's binaries (`CARGO_BIN_EXE_*`), so it is found
+/// beside the test executable: `target/<profile>/deps/<test>` →
+/// `target/<profile>/sample-upstream`. Once per test process, when run by
+/// Cargo, `cargo build -p sample-upstream` makes sure it is there and up to
+/// date (a no-op after `cargo test --workspace` or `scripts/dev test`,
+/// which build it first), so `cargo test --test faults` alone works too.
+pub fn sample_upstream_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test executable's path");
+        let profile_dir = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("the test executable is in target/<profile>/deps");
+        let bin = profile_dir.join(format!("sample-upstream{}", std::env::consts::EXE_SUFFIX));
+        if let Some(cargo) = std::env::var_os("CARGO") {
+            let mut cmd = std::process::Command::new(cargo);
+            cmd.args([
+                "build",
+                "--quiet",
+                "-p",
+                "sample-upstream",
+                "--bin",
+                "sample-upstream",
+            ]);
+            match profile_dir.file_name().and_then(|n| n.to_str()) {
+                Some("debug") | None => {}
+                Some("release") => {
+                    cmd.arg("--release");
+                }
+                Some(profile) => {
+                    cmd.args(["--profile", profile]);
+                }
+            }
+            let out = cmd
+                .output()
+                .expect("running cargo build -p sample-upstream");
+            assert!(
+                out.status.success(),
+                "cargo build -p sample-upstream failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        assert!(
+            bin.is_file(),
+            "no {} (build it with `cargo build -p sample-upstream`, or run \
+             `cargo test --workspace` or `scripts/dev test`)",
+            bin.display()
+        );
+        bin
+    })
+    .clone()
 }
 
 // ---------------------------------------------------------------------------
