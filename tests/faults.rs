@@ -8,17 +8,17 @@
 //! ([`support::pgcluster`]); the others a fresh database on the shared test
 //! server.
 
-mod common;
 mod support;
 
 use std::time::{Duration, Instant};
 
-use common::TestDb;
 use http::StatusCode;
+use support::db::TestDb;
 use support::pgcluster::{self, PgCluster};
-use support::{
-    connection_refused, read_row, wait_lease_expired, ProxyConfig, ProxyProc, TempDir, UpstreamProc,
-};
+use support::process::{connection_refused, TempDir};
+use support::proxy_proc::{ProxyConfig, ProxyProc};
+use support::records::{read_row, wait_lease_expired};
+use support::upstream_proc::UpstreamProc;
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 const LOST_LEASE: &str = r#"idemproxy_requests_total{route="default",outcome="lost_lease"}"#;
@@ -30,14 +30,14 @@ fn spawn_post(
     key: &str,
     headers: &[(&str, &str)],
     timeout: Duration,
-) -> tokio::task::JoinHandle<Result<common::Resp, String>> {
+) -> tokio::task::JoinHandle<Result<support::http::Resp, String>> {
     let url = proxy.url("/v1/orders");
-    let mut req = common::Req::post(&url).key(key).json(PAY);
+    let mut req = support::http::Req::post(&url).key(key).json(PAY);
     for (n, v) in headers {
         req = req.header(n, v);
     }
     tokio::spawn(async move {
-        match tokio::time::timeout(timeout, common::HttpClient::new().try_send(req)).await {
+        match tokio::time::timeout(timeout, support::http::HttpClient::new().try_send(req)).await {
             Ok(r) => r,
             Err(_) => Err("no answer".into()),
         }
@@ -218,13 +218,13 @@ async fn traffic(
         let key = format!("t{client_no}-{n}");
         let body = format!(r#"{{"client": {client_no}, "n": {n}}}"#);
         for _ in 0..300 {
-            let req = common::Req::post(&proxy_url)
+            let req = support::http::Req::post(&proxy_url)
                 .key(&key)
                 .json(&body)
                 .header("x-sample-delay-ms", "30");
             let r = tokio::time::timeout(
                 Duration::from_secs(5),
-                common::HttpClient::new().try_send(req),
+                support::http::HttpClient::new().try_send(req),
             )
             .await;
             match r {
@@ -276,7 +276,7 @@ async fn database_restart_under_traffic_fails_closed_recovers_by_itself_and_lose
 
     // What is completed before the restart must be there after it.
     let before: Vec<(String, Vec<u8>)> = {
-        let sql = support::connect(&db_url).await;
+        let sql = support::db::connect(&db_url).await;
         sql.query(
             "SELECT idempotency_key, response_body FROM idempotency_records WHERE state = 'completed'",
             &[],
@@ -362,7 +362,7 @@ async fn database_restart_under_traffic_fails_closed_recovers_by_itself_and_lose
     // No key stuck: once past the lease (and the background completion
     // retries of responses that could not be stored during the outage),
     // nothing is in flight.
-    let sql = support::connect(&db_url).await;
+    let sql = support::db::connect(&db_url).await;
     let settle_deadline = Instant::now() + lease + Duration::from_secs(8);
     loop {
         let n: i64 = sql
@@ -462,8 +462,8 @@ async fn proxy_started_before_its_database_is_not_ready_then_ready_once_it_appea
         "{}",
         store_ready.text()
     );
-    let health = common::HttpClient::new()
-        .send(common::Req::get(&proxy.admin_url("/healthz")))
+    let health = support::http::HttpClient::new()
+        .send(support::http::Req::get(&proxy.admin_url("/healthz")))
         .await;
     assert_eq!(health.status, StatusCode::OK);
     let r = proxy.post("k-late", PAY, &[]).await;
@@ -501,7 +501,7 @@ async fn synchronous_pair(bindir: &std::path::Path) -> (PgCluster, PgCluster) {
     // The standby must not wait for a standby of its own once promoted.
     let standby = PgCluster::standby_of(&primary, "standby", "synchronous_standby_names = ''");
     standby.start();
-    let sql = support::connect(&primary.url("postgres")).await;
+    let sql = support::db::connect(&primary.url("postgres")).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let sync: i64 = sql
@@ -584,7 +584,7 @@ async fn failover_to_a_synchronous_standby_loses_no_acknowledged_key() {
     };
     proxy.wait_ready(Duration::from_secs(5)).await;
     // Every acknowledged key is on the new primary, with the answer given…
-    let sql = support::connect(&standby.url("postgres")).await;
+    let sql = support::db::connect(&standby.url("postgres")).await;
     for (key, body) in &acknowledged {
         let row = read_row(&sql, "", key)
             .await
@@ -1061,7 +1061,7 @@ async fn sigterm_waits_for_a_completion_being_retried_in_the_background() {
         .await;
     // Lock the store out while the upstream answers: the completion times
     // out and goes to the background.
-    let mut locker = support::connect(&db.url).await;
+    let mut locker = support::db::connect(&db.url).await;
     let tx = locker.transaction().await.unwrap();
     tx.batch_execute("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
         .await

@@ -1,11 +1,12 @@
 //! DESIGN.md §2: what each request gets, one test per row, and the header
 //! rules of §6.
 
-mod common;
+mod support;
 
 use std::time::Duration;
 
-use common::{Harness, Req, Setup};
+use support::harness::{Harness, Setup};
+use support::http::Req;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PAY: &str = r#"{"amount": 100}"#;

@@ -1,15 +1,16 @@
 //! DESIGN.md §1: the state machine, one test per cell, against a real
 //! PostgreSQL and the sample upstream over real sockets.
 
-mod common;
+mod support;
 
 use std::time::Duration;
 
-use common::{Harness, Req, Setup};
 use idemproxy::idempotency::{
     Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, RecordKey, TenantId,
 };
 use idemproxy::store::{ClaimResult, Replace, StoredResponse};
+use support::harness::{Harness, Setup};
+use support::http::Req;
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 
@@ -403,7 +404,7 @@ async fn fifty_concurrent_identical_requests_execute_exactly_once() {
     let url = h.url("/v1/payments");
     let mut tasks = Vec::new();
     for _ in 0..50 {
-        let client = common::HttpClient::new();
+        let client = support::http::HttpClient::new();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             client
@@ -519,7 +520,7 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
     let url = h.url("/v1/payments");
     let mut tasks = Vec::new();
     for i in 0..120 {
-        let client = common::HttpClient::new();
+        let client = support::http::HttpClient::new();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             // Two requests per key: a duplicate may land in the same batch.
@@ -552,7 +553,7 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
         .unwrap()
         .get(0);
     assert_eq!(completed, 60);
-    let metrics = common::HttpClient::new()
+    let metrics = support::http::HttpClient::new()
         .send(Req::get(&h.admin_url("/metrics")))
         .await
         .text();
@@ -587,7 +588,7 @@ async fn leases_of_many_slow_calls_are_renewed_together() {
     let url = h.url("/v1/payments");
     let tasks: Vec<_> = (0..20)
         .map(|i| {
-            let client = common::HttpClient::new();
+            let client = support::http::HttpClient::new();
             let url = url.clone();
             tokio::spawn(async move {
                 client

@@ -1,11 +1,12 @@
 //! Duplicates that wait for the original (`wait`), advertised expiry, and
 //! keys that compose downstream.
 
-mod common;
+mod support;
 
 use std::time::{Duration, Instant, SystemTime};
 
-use common::{Harness, HttpClient, Req, Setup};
+use support::harness::{Harness, Setup};
+use support::http::{HttpClient, Req};
 
 const PAY: &str = r#"{"amount": 100}"#;
 
@@ -13,7 +14,11 @@ fn waiting(wait: &str) -> Setup {
     Setup::default().defaults(&format!("lease = \"5s\"\nwait = \"{wait}\"\n"))
 }
 
-fn spawn_slow(h: &Harness, key: &str, delay_ms: u64) -> tokio::task::JoinHandle<common::Resp> {
+fn spawn_slow(
+    h: &Harness,
+    key: &str,
+    delay_ms: u64,
+) -> tokio::task::JoinHandle<support::http::Resp> {
     let client = h.client.clone();
     let url = h.url("/v1/payments");
     let key = key.to_owned();
