@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use support::db::TestDb;
+use support::eventually;
 use support::pgcluster::{self, PgCluster};
 use support::process::{connection_refused, TempDir};
 use support::proxy_proc::{ProxyConfig, ProxyProc};
@@ -470,12 +471,13 @@ async fn proxy_started_before_its_database_is_not_ready_then_ready_once_it_appea
     r.assert_problem(503, "store-unavailable");
     assert!(r.header("retry-after").is_some());
     assert_eq!(up.executions("k-late").await, 0);
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert!(
-        proxy.proc.log_text().contains("retrying"),
-        "{}",
-        proxy.proc.log_tail(10)
-    );
+    // The log line of the store's retry loop.
+    eventually(
+        Duration::from_secs(10),
+        "a \"retrying\" log line",
+        || async { proxy.proc.log_text().contains("retrying") },
+    )
+    .await;
 
     pg.start();
     let ready_in = proxy.wait_ready(Duration::from_secs(15)).await;
@@ -856,7 +858,11 @@ async fn client_giving_up_mid_flight_does_not_abandon_the_claim() {
         .post("k-giveup", PAY, &[])
         .await
         .assert_problem(409, "request-in-progress");
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The owner finishes by itself: the record completes.
+    eventually(Duration::from_secs(10), "k-giveup to complete", || async {
+        read_row(&sql, "", "k-giveup").await.unwrap().state == "completed"
+    })
+    .await;
     let retry = proxy.post("k-giveup", PAY, &[]).await;
     assert!(retry.replayed(), "{}", retry.text());
     assert_eq!(retry.header("x-request-echo-attempt"), Some("1"));

@@ -86,7 +86,7 @@ async fn replicas_on_one_database_share_completed_and_in_flight_keys() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.wait_executions("k-replicas-flight", 1).await;
     let dup = h
         .client
         .send(Req::post(&b_url).key("k-replicas-flight").json(PAY))
@@ -452,7 +452,7 @@ async fn shutdown_drains_in_flight_requests_refuses_new_connections_and_reports_
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-drain", 1).await;
     assert_eq!(
         h.upstream.executions("k-drain"),
         1,

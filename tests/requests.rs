@@ -348,6 +348,7 @@ async fn upstream_timeout_keeps_the_claim_until_the_lease_expires() {
     h.send(slow())
         .await
         .assert_problem(409, "request-in-progress");
+    // The point: the unrenewed lease runs out.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     // …and after it, a takeover with attempt 2.
     let r = h

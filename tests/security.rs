@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use idemproxy::config::{self, Overrides};
 use sha2::{Digest, Sha256};
 use support::db::TestDb;
+use support::eventually;
 use support::harness::{start_upstream, Harness, Setup};
 use support::http::{HttpClient, Req};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -472,8 +473,11 @@ async fn secrets_never_appear_in_the_logs_of_a_full_run_with_failures() {
         )
         .await;
     r.assert_problem(503, "store-unavailable");
-    // Let the migration retry log its failure at least once.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The migration retry logs its failure at least once.
+    eventually(Duration::from_secs(10), "a WARN log line", || async {
+        p.output().contains("\"level\":\"WARN\"")
+    })
+    .await;
     let down = p.stop().await;
     assert!(
         down.contains("\"level\":\"WARN\""),

@@ -38,7 +38,7 @@ fn spawn_slow(
 async fn waiting_duplicate_on_the_same_replica_gets_the_replay_when_the_original_completes() {
     let h = Harness::start(waiting("5s")).await;
     let original = spawn_slow(&h, "k-wait", 800);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-wait", 1).await;
     let started = Instant::now();
     let dup = h.post("/v1/payments", "k-wait", PAY).await;
     let waited = started.elapsed();
@@ -60,11 +60,12 @@ async fn waiting_duplicate_on_the_same_replica_gets_the_replay_when_the_original
 #[tokio::test]
 async fn waiting_duplicate_on_another_replica_is_woken_by_notify() {
     let h = Harness::start(waiting("8s")).await;
+    let since = h.db_now().await;
     let b = h.replica().await;
-    // Let replica B's listener subscribe.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Replica B's waiter is woken by NOTIFY: its listener must be subscribed.
+    h.wait_listener_since(&since).await;
     let original = spawn_slow(&h, "k-wait-x", 800);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-wait-x", 1).await;
     let started = Instant::now();
     let dup = HttpClient::new()
         .send(
@@ -87,7 +88,7 @@ async fn waiting_duplicate_on_another_replica_is_woken_by_notify() {
 async fn waiting_duplicate_gets_409_when_the_wait_runs_out() {
     let h = Harness::start(waiting("300ms")).await;
     let original = spawn_slow(&h, "k-wait-timeout", 1500);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-wait-timeout", 1).await;
     let started = Instant::now();
     let dup = h.post("/v1/payments", "k-wait-timeout", PAY).await;
     let waited = started.elapsed();
@@ -102,8 +103,10 @@ async fn waiting_duplicate_gets_409_when_the_wait_runs_out() {
 async fn waiters_are_bounded_and_the_excess_gets_409_at_once() {
     let h = Harness::start(waiting("5s").server("max_waiters = 1\n")).await;
     let original = spawn_slow(&h, "k-bound", 1000);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-bound", 1).await;
     let first_waiter = spawn_slow(&h, "k-bound", 0);
+    // No signal that the first waiter is registered (it holds no claim and
+    // is not counted anywhere): give it a head start.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = Instant::now();
     let excess = h.post("/v1/payments", "k-bound", PAY).await;
@@ -133,7 +136,7 @@ async fn waiter_executes_when_the_original_is_released() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-released", 1).await;
     let started = Instant::now();
     let dup = h.post("/v1/payments", "k-released", PAY).await;
     assert_eq!(original.await.unwrap().status, 503);

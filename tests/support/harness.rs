@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use super::db::TestDb;
 use super::http::{HttpClient, Req, Resp};
-use super::poll_until;
+use super::{eventually, poll_until};
 
 /// Starts the sample upstream on a port-0 socket; it stops with the handle's
 /// guard.
@@ -217,6 +217,49 @@ impl Harness {
         .await
         .unwrap()
         .map(|r| (r.get(0), r.get(1)))
+    }
+
+    /// Waits until the upstream has executed `key` `n` times. Once the
+    /// original of a key is executed it is claimed (the claim commits
+    /// before the upstream call) and, while the upstream delays its
+    /// answer, in flight: what a test of duplicates waits for.
+    pub async fn wait_executions(&self, key: &str, n: u64) {
+        let what = format!("{n} executions of {key} at the upstream");
+        eventually(Duration::from_secs(10), what, || async {
+            self.upstream.executions(key) >= n
+        })
+        .await
+    }
+
+    /// The database's clock now, for [`Harness::wait_listener_since`].
+    pub async fn db_now(&self) -> String {
+        let c = self.db.client().await;
+        c.query_one("SELECT now()::text", &[]).await.unwrap().get(0)
+    }
+
+    /// Waits until a connection opened after `since` (from
+    /// [`Harness::db_now`]) has subscribed to the key channel: a replica
+    /// started after `since` then hears the others' completions.
+    pub async fn wait_listener_since(&self, since: &str) {
+        let c = self.db.client().await;
+        eventually(
+            Duration::from_secs(10),
+            "a new LISTEN connection",
+            || async {
+                let n: i64 = c
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = $1 AND backend_start > $2::text::timestamptz
+                        AND query LIKE 'LISTEN %'",
+                        &[&self.db.name, &since],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                n > 0
+            },
+        )
+        .await
     }
 
     pub async fn record_count(&self) -> i64 {
