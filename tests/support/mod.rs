@@ -47,7 +47,17 @@ const POLL_INTERVAL: Duration = Duration::from_millis(10);
 
 /// Polls `check` until it yields `Some`, and returns that; `None` once
 /// `within` has passed (for a caller that decides what a timeout means).
-pub async fn poll<T, F, Fut>(within: Duration, mut check: F) -> Option<T>
+pub async fn poll<T, F, Fut>(within: Duration, check: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    poll_every(POLL_INTERVAL, within, check).await
+}
+
+/// [`poll`], looking again every `every`: for a check that costs the
+/// system under test something (a store query through a pooler).
+pub async fn poll_every<T, F, Fut>(every: Duration, within: Duration, mut check: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -60,7 +70,7 @@ where
         if Instant::now() >= deadline {
             return None;
         }
-        tokio::time::sleep(POLL_INTERVAL).await;
+        tokio::time::sleep(every).await;
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 
 use super::http::{metric_value, HttpClient, Req, Resp};
-use super::poll;
+use super::poll_every;
 use super::process::{free_port, Proc, TempDir};
 
 /// The knobs the fault tests turn; everything else is the built-in default.
@@ -183,7 +183,9 @@ impl ProxyProc {
     /// Waits until `/readyz/store` answers 200.
     pub async fn wait_ready(&self, timeout: Duration) -> Duration {
         let started = Instant::now();
-        let ready = poll(timeout, || async {
+        // Every 25 ms, as before: each probe is a store query, which the
+        // pooler tests run through PgBouncer.
+        let ready = poll_every(Duration::from_millis(25), timeout, || async {
             let r = self.store_readyz().await?;
             (r.status == StatusCode::OK).then_some(())
         })
