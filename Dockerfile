@@ -3,7 +3,8 @@
 # idemproxy: a static binary on an empty (`scratch`) base. The image holds
 # two programs: /usr/local/bin/idemproxy (the entrypoint) and
 # /usr/local/bin/sample-upstream (a counting stand-in for a legacy API, used
-# by deploy/compose). No shell, no package manager, no libc.
+# by deploy/compose; the workspace's sample-upstream/ package, hence
+# `--workspace`). No shell, no package manager, no libc.
 #
 # Two ways to get the binaries (docs/deploy.md has the details):
 #
@@ -12,7 +13,7 @@
 #
 #   # 2. package binaries built on the host (no base image is pulled):
 #   CC_x86_64_unknown_linux_musl=musl-gcc \
-#     cargo build --locked --profile dist --target x86_64-unknown-linux-musl --bins
+#     cargo build --locked --profile dist --target x86_64-unknown-linux-musl --workspace --bins
 #   mkdir -p dist
 #   cp target/x86_64-unknown-linux-musl/dist/idemproxy \
 #      target/x86_64-unknown-linux-musl/dist/sample-upstream dist/
@@ -42,7 +43,7 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --locked --profile dist --target "${TARGET}" --bins \
+    cargo build --locked --profile dist --target "${TARGET}" --workspace --bins \
     && mkdir -p /out \
     && cp "target/${TARGET}/dist/idemproxy" "target/${TARGET}/dist/sample-upstream" \
           /etc/ssl/certs/ca-certificates.crt /out/

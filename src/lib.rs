@@ -27,10 +27,11 @@
 //! Around the request path: [`config`] (TOML → validated `Config`),
 //! [`app`] (wiring), [`lifecycle`] (who owns each task, and the drain),
 //! [`admin`] and [`metrics`] (health, readiness, Prometheus), [`sweeper`]
-//! (retention), [`cli`] (the `idemproxy` command), and
-//! [`sample_upstream`] (a counting stand-in for a legacy API, for the quick
-//! start and the tests). [`store::notify`] keeps the one LISTEN connection
-//! that wakes [`waiters`] and invalidates the [`cache`].
+//! (retention) and [`cli`] (the `idemproxy` command). [`store::notify`]
+//! keeps the one LISTEN connection that wakes [`waiters`] and invalidates
+//! the [`cache`]. The counting stand-in for a legacy API that the quick
+//! start and the tests run is not part of this library: it is the
+//! workspace's `sample-upstream` package.
 //!
 //! # Architecture: which module may use which
 //!
@@ -65,7 +66,6 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod pg_url;
 pub mod proxy;
-pub mod sample_upstream;
 pub mod server;
 pub mod store;
 pub mod sweeper;

@@ -1,10 +1,10 @@
 //! The in-process cache of completed responses.
 
-mod common;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use common::{Harness, Setup};
+use support::harness::{Harness, Setup};
 
 const PAY: &str = r#"{"amount": 100}"#;
 
@@ -55,8 +55,8 @@ async fn an_operators_forced_release_reaches_the_cache_of_every_replica() {
     let h = Harness::start(Setup::default()).await;
     let b = h.replica().await;
     let b_url = format!("http://{}/v1/payments", b.proxy_addr);
-    let client = common::HttpClient::new();
-    let post_b = || client.send(common::Req::post(&b_url).key("k-forced").json(PAY));
+    let client = support::http::HttpClient::new();
+    let post_b = || client.send(support::http::Req::post(&b_url).key("k-forced").json(PAY));
     h.post("/v1/payments", "k-forced", PAY).await;
     // Warm both caches.
     assert!(h.post("/v1/payments", "k-forced", PAY).await.replayed());

@@ -33,15 +33,16 @@
 //! the interleavings (and which faults are skipped because their replica is
 //! still busy with the previous one) depend on timing.
 
-mod common;
 mod support;
 
 use std::sync::Arc;
 
-use common::TestDb;
 use support::chaos::{self, Defaults, Settings};
+use support::db::TestDb;
+use support::process::TempDir;
+use support::proxy_proc::{ProxyConfig, ProxyProc};
 use support::slowlink::SlowLink;
-use support::{ProxyConfig, ProxyProc, TempDir, UpstreamProc};
+use support::upstream_proc::UpstreamProc;
 use tokio::sync::Mutex as AsyncMutex;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,14 +1,16 @@
 //! DESIGN.md §4: the `idemproxy` command line, run as the real binary
 //! against a real PostgreSQL.
 
-mod common;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::{Harness, Req, Setup, TestDb};
+use support::db::TestDb;
+use support::harness::{Harness, Setup};
+use support::http::Req;
 use tokio::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
@@ -189,7 +191,7 @@ async fn sweep_deletes_expired_records_and_prints_how_many() {
     let h = Harness::start(Setup::default()).await;
     let store = h.store();
     for i in 0..3 {
-        common::claim_in_flight(
+        support::records::claim_in_flight(
             &store,
             "",
             &format!("k-expired-{i}"),
@@ -264,7 +266,7 @@ async fn keys_show_prints_the_record_and_the_body_only_when_asked() {
     let f = KeysFixture::new().await;
     let done = f.h.post("/v1/payments", "k-show", PAY).await;
     assert_eq!(done.status, 201);
-    common::claim_in_flight(
+    support::records::claim_in_flight(
         &f.h.store(),
         "",
         "k-show-flight",
@@ -331,7 +333,7 @@ async fn keys_show_and_release_of_an_unknown_key_exit_3() {
 #[tokio::test]
 async fn keys_release_deletes_an_in_flight_claim_so_the_retry_executes() {
     let f = KeysFixture::new().await;
-    common::claim_in_flight(
+    support::records::claim_in_flight(
         &f.h.store(),
         "",
         "k-stuck",
@@ -584,7 +586,7 @@ async fn serve_logs_name_keys_but_never_bodies_or_tenant_secrets() {
     use tokio::io::{AsyncBufReadExt, BufReader};
 
     let db = TestDb::new().await;
-    let (upstream, _stop_upstream) = common::start_upstream().await;
+    let (upstream, _stop_upstream) = support::harness::start_upstream().await;
     let path = config_file(&Setup::default().routes(KEYS_ROUTES), &upstream.url());
     let mut child = command(
         &["--log-format", "json", "serve", "--config", path.to_str()],
@@ -624,11 +626,11 @@ async fn serve_logs_name_keys_but_never_bodies_or_tenant_secrets() {
     })
     .await
     .expect("no 'idemproxy listening' log line");
-    common::wait_ready(admin).await;
+    support::harness::wait_ready(admin).await;
 
     let secret = "Bearer tok-LOGSECRET-99";
     let body = r#"{"card": "BODYMARKER-4242"}"#;
-    let client = common::HttpClient::new();
+    let client = support::http::HttpClient::new();
     let url = format!("http://{proxy}/v1/hashed/orders");
     let send = |body: &str| {
         client.send(

@@ -19,15 +19,18 @@
 //!                                                                   # the same on the C database
 //! ```
 
-mod common;
 mod support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{DbLocale, HttpClient, Req, TestDb};
 use http::StatusCode;
-use support::{ProxyConfig, ProxyProc, Rng, TempDir, UpstreamProc};
+use support::db::{DbLocale, TestDb};
+use support::http::{HttpClient, Req};
+use support::process::TempDir;
+use support::proxy_proc::{ProxyConfig, ProxyProc};
+use support::rng::Rng;
+use support::upstream_proc::UpstreamProc;
 
 const LOST_LEASE: &str = r#"idemproxy_requests_total{route="orders",outcome="lost_lease"}"#;
 const TAKEOVERS: &str = "idemproxy_takeovers_total";
@@ -152,7 +155,7 @@ async fn renewals_and_batched_completions_over_mixed_case_tenants_never_deadlock
                             .json(&format!(r#"{{"n": {n}}}"#))
                             .header("x-sample-delay-ms", "250")
                     };
-                    let label = |r: Result<common::Resp, String>| match r {
+                    let label = |r: Result<support::http::Resp, String>| match r {
                         Ok(r) if r.status == StatusCode::CREATED && r.replayed() => {
                             "201 replayed".to_string()
                         }

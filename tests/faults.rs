@@ -8,17 +8,18 @@
 //! ([`support::pgcluster`]); the others a fresh database on the shared test
 //! server.
 
-mod common;
 mod support;
 
 use std::time::{Duration, Instant};
 
-use common::TestDb;
 use http::StatusCode;
+use support::db::TestDb;
+use support::eventually;
 use support::pgcluster::{self, PgCluster};
-use support::{
-    connection_refused, read_row, wait_lease_expired, ProxyConfig, ProxyProc, TempDir, UpstreamProc,
-};
+use support::process::{connection_refused, TempDir};
+use support::proxy_proc::{ProxyConfig, ProxyProc};
+use support::records::{read_row, wait_lease_expired};
+use support::upstream_proc::UpstreamProc;
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 const LOST_LEASE: &str = r#"idemproxy_requests_total{route="default",outcome="lost_lease"}"#;
@@ -30,14 +31,14 @@ fn spawn_post(
     key: &str,
     headers: &[(&str, &str)],
     timeout: Duration,
-) -> tokio::task::JoinHandle<Result<common::Resp, String>> {
+) -> tokio::task::JoinHandle<Result<support::http::Resp, String>> {
     let url = proxy.url("/v1/orders");
-    let mut req = common::Req::post(&url).key(key).json(PAY);
+    let mut req = support::http::Req::post(&url).key(key).json(PAY);
     for (n, v) in headers {
         req = req.header(n, v);
     }
     tokio::spawn(async move {
-        match tokio::time::timeout(timeout, common::HttpClient::new().try_send(req)).await {
+        match tokio::time::timeout(timeout, support::http::HttpClient::new().try_send(req)).await {
             Ok(r) => r,
             Err(_) => Err("no answer".into()),
         }
@@ -218,13 +219,13 @@ async fn traffic(
         let key = format!("t{client_no}-{n}");
         let body = format!(r#"{{"client": {client_no}, "n": {n}}}"#);
         for _ in 0..300 {
-            let req = common::Req::post(&proxy_url)
+            let req = support::http::Req::post(&proxy_url)
                 .key(&key)
                 .json(&body)
                 .header("x-sample-delay-ms", "30");
             let r = tokio::time::timeout(
                 Duration::from_secs(5),
-                common::HttpClient::new().try_send(req),
+                support::http::HttpClient::new().try_send(req),
             )
             .await;
             match r {
@@ -276,7 +277,7 @@ async fn database_restart_under_traffic_fails_closed_recovers_by_itself_and_lose
 
     // What is completed before the restart must be there after it.
     let before: Vec<(String, Vec<u8>)> = {
-        let sql = support::connect(&db_url).await;
+        let sql = support::db::connect(&db_url).await;
         sql.query(
             "SELECT idempotency_key, response_body FROM idempotency_records WHERE state = 'completed'",
             &[],
@@ -362,7 +363,7 @@ async fn database_restart_under_traffic_fails_closed_recovers_by_itself_and_lose
     // No key stuck: once past the lease (and the background completion
     // retries of responses that could not be stored during the outage),
     // nothing is in flight.
-    let sql = support::connect(&db_url).await;
+    let sql = support::db::connect(&db_url).await;
     let settle_deadline = Instant::now() + lease + Duration::from_secs(8);
     loop {
         let n: i64 = sql
@@ -462,20 +463,21 @@ async fn proxy_started_before_its_database_is_not_ready_then_ready_once_it_appea
         "{}",
         store_ready.text()
     );
-    let health = common::HttpClient::new()
-        .send(common::Req::get(&proxy.admin_url("/healthz")))
+    let health = support::http::HttpClient::new()
+        .send(support::http::Req::get(&proxy.admin_url("/healthz")))
         .await;
     assert_eq!(health.status, StatusCode::OK);
     let r = proxy.post("k-late", PAY, &[]).await;
     r.assert_problem(503, "store-unavailable");
     assert!(r.header("retry-after").is_some());
     assert_eq!(up.executions("k-late").await, 0);
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert!(
-        proxy.proc.log_text().contains("retrying"),
-        "{}",
-        proxy.proc.log_tail(10)
-    );
+    // The log line of the store's retry loop.
+    eventually(
+        Duration::from_secs(10),
+        "a \"retrying\" log line",
+        || async { proxy.proc.log_text().contains("retrying") },
+    )
+    .await;
 
     pg.start();
     let ready_in = proxy.wait_ready(Duration::from_secs(15)).await;
@@ -501,7 +503,7 @@ async fn synchronous_pair(bindir: &std::path::Path) -> (PgCluster, PgCluster) {
     // The standby must not wait for a standby of its own once promoted.
     let standby = PgCluster::standby_of(&primary, "standby", "synchronous_standby_names = ''");
     standby.start();
-    let sql = support::connect(&primary.url("postgres")).await;
+    let sql = support::db::connect(&primary.url("postgres")).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let sync: i64 = sql
@@ -584,7 +586,7 @@ async fn failover_to_a_synchronous_standby_loses_no_acknowledged_key() {
     };
     proxy.wait_ready(Duration::from_secs(5)).await;
     // Every acknowledged key is on the new primary, with the answer given…
-    let sql = support::connect(&standby.url("postgres")).await;
+    let sql = support::db::connect(&standby.url("postgres")).await;
     for (key, body) in &acknowledged {
         let row = read_row(&sql, "", key)
             .await
@@ -699,10 +701,7 @@ async fn slow_response_body_longer_than_the_lease_is_renewed_stored_and_replayed
     dup.assert_problem(409, "request-in-progress");
     let first = original.await.unwrap().unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(
-        &first.body[..],
-        &idemproxy::sample_upstream::body_pattern(640)[..]
-    );
+    assert_eq!(&first.body[..], &sample_upstream::body_pattern(640)[..]);
     let row = read_row(&sql, "", "k-slow-body").await.unwrap();
     assert_eq!((row.state.as_str(), row.attempt), ("completed", 1));
     assert_eq!(row.body.as_deref(), Some(&first.body[..]));
@@ -859,7 +858,11 @@ async fn client_giving_up_mid_flight_does_not_abandon_the_claim() {
         .post("k-giveup", PAY, &[])
         .await
         .assert_problem(409, "request-in-progress");
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The owner finishes by itself: the record completes.
+    eventually(Duration::from_secs(10), "k-giveup to complete", || async {
+        read_row(&sql, "", "k-giveup").await.unwrap().state == "completed"
+    })
+    .await;
     let retry = proxy.post("k-giveup", PAY, &[]).await;
     assert!(retry.replayed(), "{}", retry.text());
     assert_eq!(retry.header("x-request-echo-attempt"), Some("1"));
@@ -1137,7 +1140,7 @@ async fn answer_while_the_store_is_locked(
     up: &UpstreamProc,
     db_url: &str,
     key: &str,
-) -> (common::Resp, tokio_postgres::Client) {
+) -> (support::http::Resp, tokio_postgres::Client) {
     let client = spawn_post(
         proxy,
         key,
@@ -1145,7 +1148,7 @@ async fn answer_while_the_store_is_locked(
         Duration::from_secs(10),
     );
     up.wait_executions(key, 1, Duration::from_secs(5)).await;
-    let locker = support::connect(db_url).await;
+    let locker = support::db::connect(db_url).await;
     locker
         .batch_execute("BEGIN; LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
         .await

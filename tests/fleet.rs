@@ -13,16 +13,18 @@
 //! scripts/dev test -- --test fleet -- --nocapture   # prints the figures
 //! ```
 
-mod common;
 mod support;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::{HttpClient, Req, Resp, TestDb};
 use http::StatusCode;
+use support::db::TestDb;
+use support::http::{HttpClient, Req, Resp};
 use support::pgbouncer::{backends, PgBouncer, PgBouncerOptions};
-use support::{ProxyConfig, ProxyProc, TempDir, UpstreamProc};
+use support::process::TempDir;
+use support::proxy_proc::{ProxyConfig, ProxyProc};
+use support::upstream_proc::UpstreamProc;
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 const LISTEN: &str = "LISTEN idemproxy_keys";
@@ -186,7 +188,9 @@ async fn racing_duplicates_across_replicas_behind_a_transaction_pooler_execute_o
             "{key} executed other than once: {stats}"
         );
         assert_eq!(fresh.get(key), Some(&1), "{key}: one executed answer");
-        let row = support::read_row(&fleet.sql, "", key).await.unwrap();
+        let row = support::records::read_row(&fleet.sql, "", key)
+            .await
+            .unwrap();
         assert_eq!((row.state.as_str(), row.attempt), ("completed", 1));
     }
     // Afterwards every replica replays each key.

@@ -23,7 +23,6 @@
 //!
 //! `IDEMPROXY_FLEET_CHAOS_REPORT=FILE` also writes the report to FILE.
 
-mod common;
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,8 +32,10 @@ use std::time::{Duration, Instant};
 use support::chaos::{self, Defaults, Settings};
 use support::pgbouncer::{PgBouncer, PgBouncerOptions};
 use support::pgcluster::{self, PgCluster};
+use support::process::TempDir;
+use support::proxy_proc::{ProxyConfig, ProxyProc};
 use support::slowlink::SlowLink;
-use support::{ProxyConfig, ProxyProc, TempDir, UpstreamProc};
+use support::upstream_proc::UpstreamProc;
 use tokio::sync::Mutex as AsyncMutex;
 
 const MAX_CONNECTIONS: usize = 40;
@@ -85,12 +86,12 @@ async fn fleet_of_six_through_a_transaction_pooler_keeps_every_invariant_and_the
     );
     pg.start();
     let test_url = |db: &str| format!("{}?application_name={TEST_APP}", pg.url(db));
-    let admin = support::connect(&test_url("postgres")).await;
+    let admin = support::db::connect(&test_url("postgres")).await;
     admin
         .batch_execute("CREATE DATABASE idemproxy")
         .await
         .unwrap();
-    let sql = support::connect(&test_url("idemproxy")).await;
+    let sql = support::db::connect(&test_url("idemproxy")).await;
     let bouncer = PgBouncer::start(
         "the fleet chaos run",
         &pg.url("idemproxy"),
@@ -129,7 +130,7 @@ async fn fleet_of_six_through_a_transaction_pooler_keeps_every_invariant_and_the
         let url = test_url("postgres");
         let pool_admin = bouncer.admin().await;
         tokio::spawn(async move {
-            let server = support::connect(&url).await;
+            let server = support::db::connect(&url).await;
             let mut peak = ConnPeak::default();
             while !stop.load(Ordering::SeqCst) {
                 let row = server

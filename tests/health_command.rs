@@ -4,7 +4,7 @@
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use idemproxy::sample_upstream::{SampleUpstream, SampleUpstreamHandle};
+use sample_upstream::{SampleUpstream, SampleUpstreamHandle};
 use tokio::net::TcpListener;
 use tokio::process::Command;
 

@@ -3,12 +3,13 @@
 //! and connections that never end, and answers that would tell a client
 //! where the upstream lives.
 
-mod common;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use common::{Harness, Req, Setup};
 use sha2::{Digest, Sha256};
+use support::harness::{Harness, Setup};
+use support::http::Req;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

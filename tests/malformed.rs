@@ -2,11 +2,11 @@
 //! or a closed connection where HTTP says so; never a panic, a hang or a
 //! proxy 5xx; and nothing is stored or forwarded.
 
-mod common;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use common::{Harness, Setup};
+use support::harness::{Harness, Setup};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

@@ -3,15 +3,17 @@
 //! appears late, graceful shutdown, metrics and h2c, against a real
 //! PostgreSQL over real sockets.
 
-mod common;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use common::{HttpClient, Req, Setup, TestDb};
 use http::StatusCode;
 use idemproxy::metrics::Metrics;
 use idemproxy::store::migrate::MIGRATIONS;
 use idemproxy::store::Store;
+use support::db::TestDb;
+use support::harness::Setup;
+use support::http::{HttpClient, Req};
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 
@@ -20,14 +22,14 @@ fn store_for(db_url: &str) -> Store {
     Store::new(&Setup::default().config("http://127.0.0.1:1", db_url).store).unwrap()
 }
 
-async fn get(url: &str) -> common::Resp {
+async fn get(url: &str) -> support::http::Resp {
     HttpClient::new().send(Req::get(url)).await
 }
 
 // §5: records live in PostgreSQL, so a restarted proxy still replays.
 #[tokio::test]
 async fn completed_key_replays_after_the_proxy_restarts() {
-    let mut h = common::Harness::start(Setup::default()).await;
+    let mut h = support::harness::Harness::start(Setup::default()).await;
     let first = h.post("/v1/payments", "k-restart", PAY).await;
     assert_eq!(first.status, 201, "{}", first.text());
     assert!(!first.replayed());
@@ -54,7 +56,7 @@ async fn completed_key_replays_after_the_proxy_restarts() {
 // §5 "Scaling out": replicas are stateless and share one PostgreSQL.
 #[tokio::test]
 async fn replicas_on_one_database_share_completed_and_in_flight_keys() {
-    let h = common::Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
+    let h = support::harness::Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
     let b = h.replica().await;
     let b_url = format!("http://{}/v1/payments", b.proxy_addr);
     assert_ne!(b.proxy_addr, h.running().proxy_addr);
@@ -84,7 +86,7 @@ async fn replicas_on_one_database_share_completed_and_in_flight_keys() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.wait_executions("k-replicas-flight", 1).await;
     let dup = h
         .client
         .send(Req::post(&b_url).key("k-replicas-flight").json(PAY))
@@ -110,7 +112,7 @@ async fn replicas_on_one_database_share_completed_and_in_flight_keys() {
 // else: not a record whose lease is still valid, not an unexpired record.
 #[tokio::test]
 async fn sweeper_deletes_only_expired_records_in_batches_and_counts_them() {
-    let h = common::Harness::start(
+    let h = support::harness::Harness::start(
         Setup::default().defaults("lease = \"200ms\"\nretention = \"1s\"\n"),
     )
     .await;
@@ -120,7 +122,7 @@ async fn sweeper_deletes_only_expired_records_in_batches_and_counts_them() {
         assert_eq!(r.status, 201, "{}", r.text());
     }
     // An abandoned claim whose lease and retention both run out.
-    common::claim_in_flight(
+    support::records::claim_in_flight(
         &store,
         "",
         "k-old-abandoned",
@@ -134,7 +136,7 @@ async fn sweeper_deletes_only_expired_records_in_batches_and_counts_them() {
     let fresh = h.post("/v1/payments", "k-fresh", PAY).await;
     assert_eq!(fresh.status, 201);
     // Past its retention, but its owner's lease is valid: still in flight.
-    common::claim_in_flight(
+    support::records::claim_in_flight(
         &store,
         "",
         "k-live-lease",
@@ -305,7 +307,7 @@ async fn concurrent_migrations_apply_each_version_exactly_once() {
 // §5: /healthz is liveness, /readyz readiness.
 #[tokio::test]
 async fn healthz_and_readyz_answer_200_when_the_database_is_up() {
-    let h = common::Harness::start(Setup::default()).await;
+    let h = support::harness::Harness::start(Setup::default()).await;
     let health = get(&h.admin_url("/healthz")).await;
     assert_eq!(health.status, StatusCode::OK);
     let ready = get(&h.admin_url("/readyz")).await;
@@ -320,7 +322,7 @@ async fn healthz_and_readyz_answer_200_when_the_database_is_up() {
 // Service), and pass-through traffic keeps flowing.
 #[tokio::test]
 async fn unreachable_database_keeps_readyz_but_not_readyz_store_and_503s_keyed_requests() {
-    let h = common::Harness::start(
+    let h = support::harness::Harness::start(
         Setup::default().database_url("postgres://postgres@127.0.0.1:1/nope"),
     )
     .await;
@@ -386,14 +388,14 @@ async fn unreachable_database_keeps_readyz_but_not_readyz_store_and_503s_keyed_r
 // §6: `serve` keeps retrying to connect and migrate.
 #[tokio::test]
 async fn proxy_becomes_ready_once_its_database_appears() {
-    let name = common::unique_database_name("late");
-    let url = common::database_url(&name);
+    let name = support::db::unique_database_name("late");
+    let url = support::db::database_url(&name);
     // Drops the database at the end (it is created below), even on panic.
     let _guard = TestDb {
         name: name.clone(),
         url: url.clone(),
     };
-    let h = common::Harness::start(Setup::default().database_url(&url)).await;
+    let h = support::harness::Harness::start(Setup::default().database_url(&url)).await;
     let ready = get(&h.admin_url("/readyz/store")).await;
     assert_eq!(
         ready.status,
@@ -405,7 +407,7 @@ async fn proxy_becomes_ready_once_its_database_appears() {
         .await
         .assert_problem(503, "store-unavailable");
 
-    let admin = common::connect(&common::admin_url()).await;
+    let admin = support::db::connect(&support::db::admin_url()).await;
     admin
         .batch_execute(&format!("CREATE DATABASE {name}"))
         .await
@@ -435,7 +437,8 @@ async fn proxy_becomes_ready_once_its_database_appears() {
 // §5 SIGTERM: stop accepting, report not-ready, finish in-flight requests.
 #[tokio::test]
 async fn shutdown_drains_in_flight_requests_refuses_new_connections_and_reports_not_ready() {
-    let mut h = common::Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
+    let mut h =
+        support::harness::Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
     let proxy_addr = h.running().proxy_addr;
     let admin_addr = h.running().admin_addr;
     let url = h.url("/v1/payments");
@@ -449,7 +452,7 @@ async fn shutdown_drains_in_flight_requests_refuses_new_connections_and_reports_
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-drain", 1).await;
     assert_eq!(
         h.upstream.executions("k-drain"),
         1,
@@ -513,7 +516,7 @@ async fn shutdown_drains_in_flight_requests_refuses_new_connections_and_reports_
 // §5: Prometheus text; outcomes by route, never by key or tenant.
 #[tokio::test]
 async fn metrics_count_outcomes_by_route_without_keys_or_tenants() {
-    let h = common::Harness::start(Setup::default().routes(
+    let h = support::harness::Harness::start(Setup::default().routes(
         "[[route]]\nname = \"default\"\npath_prefix = \"/\"\ntenant_header = \"X-Tenant-ID\"\n",
     ))
     .await;
@@ -568,7 +571,7 @@ async fn metrics_count_outcomes_by_route_without_keys_or_tenants() {
 // Both protocols on one port: h2c prior knowledge and HTTP/1.1 share keys.
 #[tokio::test]
 async fn h2c_keyed_post_executes_once_and_replays_over_h2c_and_http1() {
-    let h = common::Harness::start(Setup::default()).await;
+    let h = support::harness::Harness::start(Setup::default()).await;
     let h2 = HttpClient::h2c();
     let url = h.url("/v1/payments");
     let first = h2.send(Req::post(&url).key("k-h2c").json(PAY)).await;
@@ -594,7 +597,7 @@ async fn h2c_keyed_post_executes_once_and_replays_over_h2c_and_http1() {
 // and the pool opens a fresh one.
 #[tokio::test]
 async fn a_connection_whose_statement_timed_out_is_closed_not_reused() {
-    let h = common::Harness::start(Setup::default()).await;
+    let h = support::harness::Harness::start(Setup::default()).await;
     let mut config = h.setup.config(&h.upstream.url(), &h.db.url).store;
     config.timeout = Duration::from_millis(300);
     let store = Store::new(&config).unwrap();

@@ -5,13 +5,13 @@
 //! request: the proxy answers with a valid HTTP response (its own answers
 //! are problem+json), and nothing is stored without being forwarded.
 
-mod common;
+mod support;
 
 use std::time::Duration;
 
-use common::{Harness, Setup};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use support::harness::{Harness, Setup};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

@@ -1,11 +1,12 @@
 //! DESIGN.md §2: what each request gets, one test per row, and the header
 //! rules of §6.
 
-mod common;
+mod support;
 
 use std::time::Duration;
 
-use common::{Harness, Req, Setup};
+use support::harness::{Harness, Setup};
+use support::http::Req;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PAY: &str = r#"{"amount": 100}"#;
@@ -347,6 +348,7 @@ async fn upstream_timeout_keeps_the_claim_until_the_lease_expires() {
     h.send(slow())
         .await
         .assert_problem(409, "request-in-progress");
+    // The point: the unrenewed lease runs out.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     // …and after it, a takeover with attempt 2.
     let r = h
@@ -444,10 +446,7 @@ async fn response_larger_than_max_stored_response_is_passed_on_and_never_replaye
         5000,
         "the first client gets the whole body"
     );
-    assert_eq!(
-        &first.body[..],
-        &idemproxy::sample_upstream::body_pattern(5000)[..]
-    );
+    assert_eq!(&first.body[..], &sample_upstream::body_pattern(5000)[..]);
     let again = h.send(req()).await;
     again.assert_problem(502, "response-not-stored");
     assert!(again.replayed());

@@ -3,16 +3,19 @@
 //! listener that is private by default. (TLS is in tests/tls.rs; the plain
 //! tenant rows of DESIGN.md §2 are in tests/requests.rs.)
 
-mod common;
+mod support;
 
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{start_upstream, Harness, HttpClient, Req, Setup, TestDb};
 use idemproxy::config::{self, Overrides};
 use sha2::{Digest, Sha256};
+use support::db::TestDb;
+use support::eventually;
+use support::harness::{start_upstream, Harness, Setup};
+use support::http::{HttpClient, Req};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -405,7 +408,7 @@ async fn secrets_never_appear_in_the_logs_of_a_full_run_with_failures() {
     );
     let proxy = p.field_of("idemproxy listening", "proxy_addr").await;
     let admin = p.field_of("idemproxy listening", "admin_addr").await;
-    common::wait_ready(admin.parse().unwrap()).await;
+    support::harness::wait_ready(admin.parse().unwrap()).await;
     let base = format!("http://{proxy}/v1/refunds");
     let body = format!(r#"{{"note": "{BODY_MARKER}"}}"#);
     let keyed = |key: &str| {
@@ -470,8 +473,11 @@ async fn secrets_never_appear_in_the_logs_of_a_full_run_with_failures() {
         )
         .await;
     r.assert_problem(503, "store-unavailable");
-    // Let the migration retry log its failure at least once.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The migration retry logs its failure at least once.
+    eventually(Duration::from_secs(10), "a WARN log line", || async {
+        p.output().contains("\"level\":\"WARN\"")
+    })
+    .await;
     let down = p.stop().await;
     assert!(
         down.contains("\"level\":\"WARN\""),

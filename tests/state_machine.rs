@@ -1,15 +1,16 @@
 //! DESIGN.md §1: the state machine, one test per cell, against a real
 //! PostgreSQL and the sample upstream over real sockets.
 
-mod common;
+mod support;
 
 use std::time::Duration;
 
-use common::{Harness, Req, Setup};
 use idemproxy::idempotency::{
     Fingerprint, FingerprintMode, IdempotencyKey, OwnerToken, RecordKey, TenantId,
 };
 use idemproxy::store::{ClaimResult, Replace, StoredResponse};
+use support::harness::{Harness, Setup};
+use support::http::Req;
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 
@@ -135,7 +136,7 @@ async fn in_flight_duplicate_gets_409_with_retry_after() {
             h_client.send(req).await
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.wait_executions("k-409", 1).await;
     let dup = h.send(slow.clone()).await;
     dup.assert_problem(409, "request-in-progress");
     let retry_after: u64 = dup.header("retry-after").unwrap().parse().unwrap();
@@ -161,7 +162,7 @@ async fn in_flight_key_with_different_body_is_422() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.wait_executions("k-422-inflight", 1).await;
     h.post("/v1/payments", "k-422-inflight", r#"{"amount": 5}"#)
         .await
         .assert_problem(422, "key-reused");
@@ -208,6 +209,7 @@ async fn expired_lease_is_taken_over_with_a_new_owner_and_attempt_2() {
     h.post("/v1/payments", "k-takeover", PAY)
         .await
         .assert_problem(409, "request-in-progress");
+    // The point: the 200 ms lease runs out unrenewed.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r = h.post("/v1/payments", "k-takeover", PAY).await;
     assert_eq!(r.status, 201, "{}", r.text());
@@ -247,6 +249,7 @@ async fn expired_lease_is_taken_over_with_a_new_owner_and_attempt_2() {
 async fn expired_lease_with_different_body_is_422_and_not_taken_over() {
     let h = Harness::start(Setup::default()).await;
     abandoned_claim(&h, "k-expired-422", PAY, Duration::from_millis(100)).await;
+    // The point: the 100 ms lease runs out unrenewed.
     tokio::time::sleep(Duration::from_millis(200)).await;
     h.post("/v1/payments", "k-expired-422", r#"{"amount": 1}"#)
         .await
@@ -278,6 +281,7 @@ async fn stale_owner_completion_is_refused_by_the_fence() {
             .unwrap(),
         ClaimResult::Claimed(_)
     ));
+    // The point: owner a's lease runs out.
     tokio::time::sleep(Duration::from_millis(150)).await;
     let b = OwnerToken::mint();
     let claim = store
@@ -337,6 +341,7 @@ async fn racing_takeovers_have_exactly_one_winner() {
         )
         .await
         .unwrap();
+    // The point: the 50 ms lease runs out before the racers start.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut tasks = Vec::new();
     for _ in 0..8 {
@@ -381,6 +386,7 @@ async fn lease_is_renewed_while_a_slow_upstream_call_is_in_flight() {
             .await
     });
     for _ in 0..4 {
+        // The point: each check comes a whole (300 ms) lease later.
         tokio::time::sleep(Duration::from_millis(300)).await;
         h.post("/v1/payments", "k-renew", PAY)
             .await
@@ -403,7 +409,7 @@ async fn fifty_concurrent_identical_requests_execute_exactly_once() {
     let url = h.url("/v1/payments");
     let mut tasks = Vec::new();
     for _ in 0..50 {
-        let client = common::HttpClient::new();
+        let client = support::http::HttpClient::new();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             client
@@ -441,6 +447,7 @@ async fn record_past_retention_is_treated_as_absent() {
         Harness::start(Setup::default().defaults("lease = \"200ms\"\nretention = \"1s\"\n")).await;
     h.post("/v1/payments", "k-retention", PAY).await;
     assert!(h.post("/v1/payments", "k-retention", PAY).await.replayed());
+    // The point: the 1 s retention passes.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     // Even a different body: the old record is gone as far as answers go.
     let r = h
@@ -474,7 +481,7 @@ async fn lost_lease_still_answers_the_client_and_overwrites_nothing() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.wait_executions("k-lost", 1).await;
     // Another attempt takes the key over (as a replica would after a pause).
     let c = h.db.client().await;
     let usurper = uuid::Uuid::new_v4();
@@ -519,7 +526,7 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
     let url = h.url("/v1/payments");
     let mut tasks = Vec::new();
     for i in 0..120 {
-        let client = common::HttpClient::new();
+        let client = support::http::HttpClient::new();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             // Two requests per key: a duplicate may land in the same batch.
@@ -552,7 +559,7 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
         .unwrap()
         .get(0);
     assert_eq!(completed, 60);
-    let metrics = common::HttpClient::new()
+    let metrics = support::http::HttpClient::new()
         .send(Req::get(&h.admin_url("/metrics")))
         .await
         .text();
@@ -587,7 +594,7 @@ async fn leases_of_many_slow_calls_are_renewed_together() {
     let url = h.url("/v1/payments");
     let tasks: Vec<_> = (0..20)
         .map(|i| {
-            let client = common::HttpClient::new();
+            let client = support::http::HttpClient::new();
             let url = url.clone();
             tokio::spawn(async move {
                 client

@@ -3,7 +3,7 @@
 //! (HTTP/1.1 and h2 by ALPN); PostgreSQL over TLS with libpq's `sslmode`s
 //! against a private cluster started from the machine's PostgreSQL binaries.
 
-mod common;
+mod support;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -13,18 +13,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{start_upstream, wait_ready, HttpClient, Req, Setup, TestDb};
 use http::{Request, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemproxy::app::{self, Running, ServeOptions};
 use idemproxy::config::{self, Overrides};
-use idemproxy::sample_upstream::SampleUpstreamHandle;
 use idemproxy::store::Store;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
 use rustls::pki_types::ServerName;
+use sample_upstream::SampleUpstreamHandle;
+use support::db::TestDb;
+use support::harness::{start_upstream, wait_ready, Setup};
+use support::http::{HttpClient, Req};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};

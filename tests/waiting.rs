@@ -1,11 +1,12 @@
 //! Duplicates that wait for the original (`wait`), advertised expiry, and
 //! keys that compose downstream.
 
-mod common;
+mod support;
 
 use std::time::{Duration, Instant, SystemTime};
 
-use common::{Harness, HttpClient, Req, Setup};
+use support::harness::{Harness, Setup};
+use support::http::{HttpClient, Req};
 
 const PAY: &str = r#"{"amount": 100}"#;
 
@@ -13,7 +14,11 @@ fn waiting(wait: &str) -> Setup {
     Setup::default().defaults(&format!("lease = \"5s\"\nwait = \"{wait}\"\n"))
 }
 
-fn spawn_slow(h: &Harness, key: &str, delay_ms: u64) -> tokio::task::JoinHandle<common::Resp> {
+fn spawn_slow(
+    h: &Harness,
+    key: &str,
+    delay_ms: u64,
+) -> tokio::task::JoinHandle<support::http::Resp> {
     let client = h.client.clone();
     let url = h.url("/v1/payments");
     let key = key.to_owned();
@@ -33,7 +38,7 @@ fn spawn_slow(h: &Harness, key: &str, delay_ms: u64) -> tokio::task::JoinHandle<
 async fn waiting_duplicate_on_the_same_replica_gets_the_replay_when_the_original_completes() {
     let h = Harness::start(waiting("5s")).await;
     let original = spawn_slow(&h, "k-wait", 800);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-wait", 1).await;
     let started = Instant::now();
     let dup = h.post("/v1/payments", "k-wait", PAY).await;
     let waited = started.elapsed();
@@ -55,11 +60,12 @@ async fn waiting_duplicate_on_the_same_replica_gets_the_replay_when_the_original
 #[tokio::test]
 async fn waiting_duplicate_on_another_replica_is_woken_by_notify() {
     let h = Harness::start(waiting("8s")).await;
+    let since = h.db_now().await;
     let b = h.replica().await;
-    // Let replica B's listener subscribe.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Replica B's waiter is woken by NOTIFY: its listener must be subscribed.
+    h.wait_listener_since(&since).await;
     let original = spawn_slow(&h, "k-wait-x", 800);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-wait-x", 1).await;
     let started = Instant::now();
     let dup = HttpClient::new()
         .send(
@@ -82,7 +88,7 @@ async fn waiting_duplicate_on_another_replica_is_woken_by_notify() {
 async fn waiting_duplicate_gets_409_when_the_wait_runs_out() {
     let h = Harness::start(waiting("300ms")).await;
     let original = spawn_slow(&h, "k-wait-timeout", 1500);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-wait-timeout", 1).await;
     let started = Instant::now();
     let dup = h.post("/v1/payments", "k-wait-timeout", PAY).await;
     let waited = started.elapsed();
@@ -97,8 +103,10 @@ async fn waiting_duplicate_gets_409_when_the_wait_runs_out() {
 async fn waiters_are_bounded_and_the_excess_gets_409_at_once() {
     let h = Harness::start(waiting("5s").server("max_waiters = 1\n")).await;
     let original = spawn_slow(&h, "k-bound", 1000);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-bound", 1).await;
     let first_waiter = spawn_slow(&h, "k-bound", 0);
+    // No signal that the first waiter is registered (it holds no claim and
+    // is not counted anywhere): give it a head start.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = Instant::now();
     let excess = h.post("/v1/payments", "k-bound", PAY).await;
@@ -128,7 +136,7 @@ async fn waiter_executes_when_the_original_is_released() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_executions("k-released", 1).await;
     let started = Instant::now();
     let dup = h.post("/v1/payments", "k-released", PAY).await;
     assert_eq!(original.await.unwrap().status, 503);

@@ -128,12 +128,12 @@ if [[ $target == "$MUSL" ]]; then
     # Crates with C parts (ring, for TLS) compile them with musl's gcc wrapper.
     ensure_apt musl-gcc=musl-tools
     export CC_x86_64_unknown_linux_musl=musl-gcc
-    log "+ CC_x86_64_unknown_linux_musl=musl-gcc cargo build --locked --profile dist --target $MUSL --bins"
-    cargo build --locked --profile dist --target "$MUSL" --bins
+    log "+ CC_x86_64_unknown_linux_musl=musl-gcc cargo build --locked --profile dist --target $MUSL --workspace --bins"
+    cargo build --locked --profile dist --target "$MUSL" --workspace --bins
 else
-    log "+ RUSTFLAGS='-C target-feature=+crt-static' cargo build --locked --profile dist --target $GNU --bins"
+    log "+ RUSTFLAGS='-C target-feature=+crt-static' cargo build --locked --profile dist --target $GNU --workspace --bins"
     RUSTFLAGS='-C target-feature=+crt-static' \
-        cargo build --locked --profile dist --target "$GNU" --bins
+        cargo build --locked --profile dist --target "$GNU" --workspace --bins
 fi
 BIN=$CARGO_TARGET_DIR/$target/dist
 for b in idemproxy sample-upstream; do

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
 
-use super::{free_port, Proc, TempDir};
+use super::process::{free_port, Proc, TempDir};
 
 /// How the pooler is set up.
 #[derive(Debug, Clone)]
@@ -134,9 +134,9 @@ impl PgBouncer {
         let dir = readable_dir(run_as.as_deref());
         let port = free_port();
         let auth_file = dir.join("userlist.txt");
-        super::write(&auth_file, &format!("\"{user}\" \"\"\n"));
+        super::process::write(&auth_file, &format!("\"{user}\" \"\"\n"));
         let ini = dir.join("pgbouncer.ini");
-        super::write(
+        super::process::write(
             &ini,
             &format!(
                 "; Written by the idemproxy pooler tests.\n\

@@ -16,7 +16,7 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{append, free_port, TempDir};
+use super::process::{append, free_port, TempDir};
 
 /// One cluster.
 pub struct PgCluster {

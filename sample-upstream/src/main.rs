@@ -1,5 +1,5 @@
 //! `sample-upstream`: a stand-in "legacy", non-idempotent HTTP API that counts
-//! executions per `Idempotency-Key` (see [`idemproxy::sample_upstream`]).
+//! executions per `Idempotency-Key` (see [`sample_upstream`]).
 //!
 //! ```text
 //! sample-upstream --listen 127.0.0.1:3000
@@ -14,7 +14,7 @@ use std::io::{IsTerminal as _, Write as _};
 use std::net::SocketAddr;
 
 use clap::Parser;
-use idemproxy::sample_upstream::SampleUpstream;
+use sample_upstream::SampleUpstream;
 use tracing_subscriber::EnvFilter;
 
 /// A sample non-idempotent upstream that counts executions per Idempotency-Key.

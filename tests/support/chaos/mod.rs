@@ -12,6 +12,14 @@
 //! is a store error no fault explains, which the fleet run counts as a
 //! failure.
 
+//!
+//! Layout: this file holds the settings, what a run records, and [`run`]
+//! with the checker; `clients.rs` the retrying clients; `faults.rs` the
+//! driver that injects the faults.
+
+mod clients;
+mod faults;
+
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -20,9 +28,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::Mutex as AsyncMutex;
 
+use super::http::HttpClient;
+use super::proxy_proc::ProxyProc;
+use super::rng::Rng;
 use super::slowlink::SlowLink;
-use super::{ProxyProc, Rng, UpstreamProc};
-use crate::common::{HttpClient, Req};
+use super::upstream_proc::UpstreamProc;
+use clients::{client, resolve};
+use faults::{driver, rolling_restart};
 
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -175,272 +187,11 @@ impl Clock {
     }
 }
 
-// ---------------------------------------------------------------------------
-// Clients.
-
-async fn send_once(
-    http: &HttpClient,
-    urls: &[String],
-    replica: usize,
-    intent: &Intent,
-    timeout: Duration,
-    clock: &Clock,
-) -> SendRecord {
-    let start_ms = clock.ms();
-    let req = Req::post(&format!("{}/v1/orders", urls[replica]))
-        .key(&intent.key)
-        .json(&intent.body)
-        .header("x-sample-delay-ms", intent.delay_ms.to_string());
-    let outcome = match tokio::time::timeout(timeout, http.try_send(req)).await {
-        Err(_) => Outcome::NoAnswer("client timeout".into()),
-        Ok(Err(e)) => Outcome::NoAnswer(e),
-        Ok(Ok(r)) => {
-            let problem = (r.header("content-type") == Some("application/problem+json"))
-                .then(|| {
-                    r.json()["type"]
-                        .as_str()
-                        .map(|t| t.trim_start_matches("urn:idemproxy:problem:").to_owned())
-                })
-                .flatten();
-            Outcome::Answer {
-                status: r.status.as_u16(),
-                replayed: r.replayed(),
-                problem,
-                body: r.body,
-            }
-        }
-    };
-    SendRecord {
-        replica,
-        start_ms,
-        end_ms: clock.ms(),
-        outcome,
-    }
-}
-
-/// Sends an intent until it gets a definitive answer (or gives up).
-async fn resolve(
-    http: &HttpClient,
-    urls: &[String],
-    intent: &mut Intent,
-    rng: &mut Rng,
-    settings: &Settings,
-    clock: &Clock,
-    max_sends: usize,
-) {
-    // Now and then a "double click": the first send goes to two replicas at once.
-    if rng.chance(0.1) {
-        let a = rng.pick(urls.len());
-        let b = (a + 1 + rng.pick(urls.len() - 1)) % urls.len();
-        let (ra, rb) = tokio::join!(
-            send_once(http, urls, a, intent, settings.client_timeout, clock),
-            send_once(http, urls, b, intent, settings.client_timeout, clock),
-        );
-        let done = ra.outcome.definitive() || rb.outcome.definitive();
-        intent.sends.push(ra);
-        intent.sends.push(rb);
-        if done {
-            intent.resolved_ms = Some(clock.ms());
-            return;
-        }
-    }
-    while intent.sends.len() < max_sends {
-        let replica = rng.pick(urls.len());
-        let s = send_once(http, urls, replica, intent, settings.client_timeout, clock).await;
-        let pause = match &s.outcome {
-            Outcome::Answer {
-                problem: Some(p), ..
-            } if p == "request-in-progress" => rng.range(100, 300),
-            _ => rng.range(50, 200),
-        };
-        let done = s.outcome.definitive();
-        intent.sends.push(s);
-        if done {
-            intent.resolved_ms = Some(clock.ms());
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-    }
-}
-
-async fn client(
-    id: usize,
-    urls: Arc<Vec<String>>,
-    settings: Settings,
-    clock: Arc<Clock>,
-    deadline_ms: u64,
-) -> Vec<Intent> {
-    let mut rng = Rng::new(settings.seed ^ (id as u64 + 1).wrapping_mul(0xC1A0_5EED));
-    let http = HttpClient::new();
-    let mut intents = Vec::new();
-    let mut n = 0;
-    while clock.ms() < deadline_ms {
-        n += 1;
-        let mut intent = Intent {
-            key: format!("c{id}-{n}"),
-            body: format!(
-                r#"{{"client": {id}, "n": {n}, "amount": {}}}"#,
-                rng.range(1, 10_000)
-            ),
-            delay_ms: rng.range(0, 400),
-            sends: Vec::new(),
-            resolved_ms: None,
-        };
-        resolve(&http, &urls, &mut intent, &mut rng, &settings, &clock, 60).await;
-        // Duplicate deliveries after the answer: these must all be replays.
-        if intent.resolved_ms.is_some() && rng.chance(0.25) {
-            for _ in 0..rng.range(1, 3) {
-                let replica = rng.pick(urls.len());
-                let s = send_once(
-                    &http,
-                    &urls,
-                    replica,
-                    &intent,
-                    settings.client_timeout,
-                    &clock,
-                )
-                .await;
-                intent.sends.push(s);
-            }
-        }
-        intents.push(intent);
-    }
-    intents
-}
-
-// ---------------------------------------------------------------------------
-// The driver.
-
+/// A replica the driver may kill, pause or restart while clients use it.
 pub type Replica = Arc<AsyncMutex<ProxyProc>>;
 
 /// A record as stored: attempt, state, response status and body.
 type StoredRow = (i32, String, Option<i16>, Option<Vec<u8>>);
-
-async fn driver(
-    replicas: Vec<Replica>,
-    link: Arc<SlowLink>,
-    settings: Settings,
-    clock: Arc<Clock>,
-    deadline_ms: u64,
-    faults: Arc<Mutex<Vec<Fault>>>,
-) -> (u32, Vec<tokio::task::JoinHandle<()>>) {
-    let mut rng = Rng::new(settings.seed ^ 0x0D12_17E5);
-    let lease_ms = settings.lease.as_millis() as u64;
-    let mut slowdowns = 0;
-    let mut tasks = Vec::new();
-    // Let the traffic start first.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    while clock.ms() < deadline_ms {
-        // Every draw is made on every turn, so the schedule of intended
-        // faults depends on the seed alone; whether one is skipped (its
-        // replica still busy with the previous fault) depends on timing.
-        let wait = rng.range(250, 900);
-        let roll = rng.range(0, 100);
-        let i = rng.pick(replicas.len());
-        let delay = Duration::from_millis(rng.range(150, 700));
-        let lasting = Duration::from_millis(rng.range(500, 2500));
-        let kill_hold = rng.range(100, 800);
-        let long_hold = rng.range(lease_ms * 12 / 10, lease_ms * 5 / 2);
-        let short_hold = rng.range(20, lease_ms / 8);
-        tokio::time::sleep(Duration::from_millis(wait)).await;
-        if roll < 20 {
-            slowdowns += 1;
-            let link = link.clone();
-            tasks.push(tokio::spawn(async move {
-                link.set_delay(delay);
-                tokio::time::sleep(lasting).await;
-                link.set_delay(Duration::ZERO);
-            }));
-            continue;
-        }
-        // One replica always stays untouched.
-        let busy = replicas.iter().filter(|r| r.try_lock().is_err()).count();
-        if busy + 1 >= replicas.len() {
-            continue;
-        }
-        let Ok(guard) = replicas[i].clone().try_lock_owned() else {
-            continue;
-        };
-        let (kind, hold) = match roll {
-            40..=54 if settings.sigterm => (FaultKind::Term, kill_hold),
-            20..=54 => (FaultKind::Kill, kill_hold),
-            55..=84 => (FaultKind::LongPause, long_hold),
-            _ => (FaultKind::ShortPause, short_hold),
-        };
-        let clock = clock.clone();
-        let faults = faults.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut p = guard;
-            let start_ms = clock.ms();
-            let exit = inject(&mut p, kind, hold).await;
-            faults.lock().unwrap().push(Fault {
-                replica: i,
-                kind,
-                start_ms,
-                end_ms: clock.ms(),
-                exit,
-            });
-        }));
-    }
-    (slowdowns, tasks)
-}
-
-/// Injects one fault and heals it (the replica is up again at the end).
-async fn inject(p: &mut ProxyProc, kind: FaultKind, hold: u64) -> Option<String> {
-    match kind {
-        FaultKind::Kill => {
-            p.proc.kill();
-            tokio::time::sleep(Duration::from_millis(hold)).await;
-            p.proc.spawn(false);
-            p.wait_ready(Duration::from_secs(20)).await;
-            None
-        }
-        FaultKind::LongPause | FaultKind::ShortPause => {
-            p.proc.pause();
-            tokio::time::sleep(Duration::from_millis(hold)).await;
-            p.proc.resume();
-            None
-        }
-        FaultKind::Term => {
-            p.proc.signal("TERM");
-            // The grace of the fleet run's replicas, and a second to exit.
-            let exit = p.proc.wait_exit(Duration::from_secs(12)).await;
-            let text = match exit {
-                Some(status) => Some(status.to_string()),
-                None => {
-                    p.proc.kill();
-                    None
-                }
-            };
-            p.proc.spawn(false);
-            p.wait_ready(Duration::from_secs(20)).await;
-            text
-        }
-    }
-}
-
-/// A rolling restart: SIGTERM, drain, start again, one replica after the
-/// other (each waits for the replica's previous fault to end).
-async fn rolling_restart(
-    replicas: Vec<Replica>,
-    clock: Arc<Clock>,
-    at_ms: u64,
-    faults: Arc<Mutex<Vec<Fault>>>,
-) {
-    tokio::time::sleep(Duration::from_millis(at_ms.saturating_sub(clock.ms()))).await;
-    for (i, r) in replicas.iter().enumerate() {
-        let mut p = r.lock().await;
-        let start_ms = clock.ms();
-        let exit = inject(&mut p, FaultKind::Term, 0).await;
-        faults.lock().unwrap().push(Fault {
-            replica: i,
-            kind: FaultKind::Term,
-            start_ms,
-            end_ms: clock.ms(),
-            exit,
-        });
-    }
-}
 
 // ---------------------------------------------------------------------------
 // The run.
