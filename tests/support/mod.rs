@@ -11,6 +11,7 @@
 pub mod chaos;
 pub mod pgbouncer;
 pub mod pgcluster;
+pub mod previous;
 pub mod slowlink;
 
 use std::fs::{File, OpenOptions};
