@@ -33,6 +33,9 @@ ARG BINARY_SOURCE=builder
 # that target.
 FROM docker.io/library/rust:${RUST_VERSION}-slim-bookworm AS builder
 ARG TARGET=x86_64-unknown-linux-musl
+# The commit `idemproxy --version` names: .git stays out of the build
+# context, so build.rs reads it from IDEMPROXY_BUILD_COMMIT.
+ARG REVISION=""
 ENV CC_x86_64_unknown_linux_musl=musl-gcc
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -43,7 +46,7 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --locked --profile dist --target "${TARGET}" --workspace --bins \
+    IDEMPROXY_BUILD_COMMIT="${REVISION}" cargo build --locked --profile dist --target "${TARGET}" --workspace --bins \
     && mkdir -p /out \
     && cp "target/${TARGET}/dist/idemproxy" "target/${TARGET}/dist/sample-upstream" \
           /etc/ssl/certs/ca-certificates.crt /out/

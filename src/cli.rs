@@ -21,7 +21,7 @@ use crate::store::Store;
 /// carrying an Idempotency-Key are executed by the upstream once, and
 /// retries get the original response.
 #[derive(Debug, Parser)]
-#[command(name = "idemproxy", version, propagate_version = true)]
+#[command(name = "idemproxy", version = crate::version::LONG, propagate_version = true)]
 pub struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -69,10 +69,30 @@ pub enum Command {
         #[arg(long)]
         no_migrate: bool,
     },
-    /// Apply pending database migrations and exit.
+    /// Apply pending database migrations and exit (or report on them).
+    ///
+    /// Migrations are expand-then-contract: running them while replicas of
+    /// the previous release still serve is safe (docs/operations.md,
+    /// "Upgrades and compatibility"). Several replicas may migrate at once
+    /// (an advisory lock serialises them).
+    ///
+    /// Exit status: 0 done (or, with --status, the schema is current for
+    /// this binary; with --dry-run, the report was printed); 1 an error
+    /// (database unreachable, a migration failed); 3 with --status, this
+    /// binary's migrations are pending; 4 with --status or --dry-run, this
+    /// binary must not run against the schema (a migration applied with
+    /// different contents, or a later release's contract step that this
+    /// binary predates).
     Migrate {
         #[command(flatten)]
         common: Common,
+        /// Print applied and pending migrations and whether this binary can
+        /// run against the schema; change nothing.
+        #[arg(long, conflicts_with = "dry_run")]
+        status: bool,
+        /// Print what `migrate` would apply, with its SQL; write nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Validate the configuration: exit 0 if valid, else list every problem and exit 1.
     CheckConfig {
@@ -232,9 +252,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             tracing::info!("stopped");
             Ok(ExitCode::SUCCESS)
         }
-        Command::Migrate { common } => {
+        Command::Migrate {
+            common,
+            status,
+            dry_run,
+        } => {
             let config = load_config(&common, Overrides::default())?;
             let store = Store::new(&config.store)?;
+            if status || dry_run {
+                return migration_report(&store, dry_run).await;
+            }
             let applied = store.migrate().await.context("migrating the database")?;
             if applied.is_empty() {
                 println!("schema is current");
@@ -286,6 +313,93 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(health(&url, timeout).await)
         }
     }
+}
+
+/// `migrate --status` (or `--dry-run`): reads the version table over a
+/// direct connection, writes nothing.
+async fn migration_report(store: &Store, dry_run: bool) -> anyhow::Result<ExitCode> {
+    use crate::store::migrate::{self, Entry, Verdict};
+
+    let (client, connection) = store
+        .connect_dedicated()
+        .await
+        .context("connecting to the database")?;
+    let driver = tokio::spawn(connection);
+    let status = tokio::time::timeout(store.timeout(), migrate::status(&client)).await;
+    drop(client);
+    driver.abort();
+    let status = status
+        .map_err(|_| anyhow::anyhow!("reading the migrations table timed out"))?
+        .context("reading the migrations table")?;
+
+    println!(
+        "idemproxy {} knows migrations up to {}",
+        crate::version::LONG,
+        migrate::latest_version()
+    );
+    let when = |a: &migrate::Applied| fmt_time(Some(a.applied_at));
+    for entry in &status.entries {
+        match entry {
+            Entry::Applied(a) => println!("  applied   {}  ({})", a.name, when(a)),
+            Entry::Pending(m) => println!("  pending   {}", m.name),
+            Entry::Modified(a) => println!(
+                "  MODIFIED  {}  ({}): applied with different contents than this binary's file",
+                a.name,
+                when(a)
+            ),
+            Entry::Newer(a) if a.requires > migrate::latest_version() => println!(
+                "  newer     {}  ({}): a later release's; requires migration {}, which this binary does not know",
+                a.name,
+                when(a),
+                a.requires
+            ),
+            Entry::Newer(a) => println!(
+                "  newer     {}  ({}): a later release's expand step; this binary ignores it",
+                a.name,
+                when(a)
+            ),
+        }
+    }
+    if dry_run {
+        let pending: Vec<_> = status
+            .entries
+            .iter()
+            .filter_map(|e| match e {
+                Entry::Pending(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        if status.verdict == Verdict::Incompatible {
+            println!("dry run: `idemproxy migrate` would refuse (see above); nothing written");
+            return Ok(ExitCode::from(4));
+        }
+        if pending.is_empty() {
+            println!("dry run: nothing to apply; nothing written");
+        } else {
+            println!(
+                "dry run: `idemproxy migrate` would apply {} migration(s) in one transaction; nothing written",
+                pending.len()
+            );
+            for m in pending {
+                println!("\n-- {}\n{}", m.name, m.sql.trim_end());
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    Ok(match status.verdict {
+        Verdict::Current => {
+            println!("schema is compatible with this binary: nothing pending");
+            ExitCode::SUCCESS
+        }
+        Verdict::Pending => {
+            println!("schema is behind this binary: run `idemproxy migrate` (the previous release keeps working meanwhile)");
+            ExitCode::from(3)
+        }
+        Verdict::Incompatible => {
+            println!("schema is NOT compatible with this binary: do not serve with it");
+            ExitCode::from(4)
+        }
+    })
 }
 
 /// `/readyz` on an admin listener, reached through the loopback when the

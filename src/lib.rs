@@ -70,4 +70,5 @@ pub mod server;
 pub mod store;
 pub mod sweeper;
 pub mod tls;
+pub mod version;
 pub mod waiters;

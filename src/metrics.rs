@@ -68,6 +68,12 @@ struct ResultLabels {
     result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    commit: &'static str,
+}
+
 fn latency_histogram() -> Histogram {
     // 250µs … ~8s.
     Histogram::new(exponential_buckets(0.00025, 2.0, 16))
@@ -194,6 +200,20 @@ impl Metrics {
             "lost_leases",
             "Responses the fence refused to store (the lease was lost), whether the request was still waiting or the completion was being retried in the background",
             lost_leases.clone(),
+        );
+        // Constant 1: its labels say which release (and commit) a replica
+        // runs, so a rolling upgrade's mix of versions shows on a dashboard.
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        build_info
+            .get_or_create(&BuildLabels {
+                version: crate::version::VERSION,
+                commit: crate::version::COMMIT,
+            })
+            .set(1);
+        registry.register(
+            "build_info",
+            "Always 1; the labels name the version and the commit this binary was built from",
+            build_info,
         );
         Metrics {
             lost_leases,
@@ -323,6 +343,18 @@ mod tests {
         );
         assert!(text.contains(r#"idemproxy_requests_total{route="payments",outcome="claimed"} 1"#));
         assert_eq!(m.request_count("payments", Outcome::Replayed), 2);
+    }
+
+    #[test]
+    fn build_info_names_the_version_and_the_commit() {
+        let text = Metrics::new().render();
+        let line = format!(
+            r#"idemproxy_build_info{{version="{}",commit="{}"}} 1"#,
+            crate::version::VERSION,
+            crate::version::COMMIT
+        );
+        assert!(text.contains(&line), "{text}");
+        assert!(text.contains("# TYPE idemproxy_build_info gauge"), "{text}");
     }
 
     #[test]

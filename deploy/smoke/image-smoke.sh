@@ -30,8 +30,6 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
 cd "$ROOT"
 CACHE=${IDEMPROXY_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/idemproxy-ci}
-MUSL=x86_64-unknown-linux-musl
-GNU=x86_64-unknown-linux-gnu
 IMAGE=localhost/idemproxy:smoke
 
 log() { printf 'smoke: %s\n' "$*" >&2; }
@@ -45,19 +43,8 @@ die() {
 # ---------------------------------------------------------------------------
 # Tools: Debian packages, installed when missing.
 
-ensure_apt() {
-    local missing=() cmd pkg
-    for pair in "$@"; do
-        cmd=${pair%%=*}
-        pkg=${pair#*=}
-        command -v "$cmd" >/dev/null || missing+=("$pkg")
-    done
-    ((${#missing[@]} == 0)) && return 0
-    log "installing Debian packages: ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${missing[@]}" >/dev/null
-}
+# shellcheck source=deploy/build-lib.sh
+source "$ROOT/deploy/build-lib.sh"
 
 ensure_apt buildah=buildah umoci=umoci runc=runc jq=jq curl=curl psql=postgresql-client
 log "tools: $(buildah --version | head -n1); $(umoci --version); $(runc --version | head -n1)"
@@ -116,33 +103,9 @@ export CARGO_TARGET_DIR="$CACHE/target"
 # whose sources did not change rebuilds in seconds instead of minutes. The
 # binaries are the dist profile's otherwise.
 export CARGO_PROFILE_DIST_INCREMENTAL=true
-target=$MUSL
-if ! rustup target list --installed 2>/dev/null | grep -qx "$MUSL"; then
-    log "adding the Rust target $MUSL"
-    if ! rustup target add "$MUSL" >&2; then
-        target=$GNU
-        log "the $MUSL target cannot be installed here; building $GNU with crt-static instead"
-    fi
-fi
-if [[ $target == "$MUSL" ]]; then
-    # Crates with C parts (ring, for TLS) compile them with musl's gcc wrapper.
-    ensure_apt musl-gcc=musl-tools
-    export CC_x86_64_unknown_linux_musl=musl-gcc
-    log "+ CC_x86_64_unknown_linux_musl=musl-gcc cargo build --locked --profile dist --target $MUSL --workspace --bins"
-    cargo build --locked --profile dist --target "$MUSL" --workspace --bins
-else
-    log "+ RUSTFLAGS='-C target-feature=+crt-static' cargo build --locked --profile dist --target $GNU --workspace --bins"
-    RUSTFLAGS='-C target-feature=+crt-static' \
-        cargo build --locked --profile dist --target "$GNU" --workspace --bins
-fi
-BIN=$CARGO_TARGET_DIR/$target/dist
-for b in idemproxy sample-upstream; do
-    [[ -x $BIN/$b ]] || die "$BIN/$b was not built"
-    if readelf -l "$BIN/$b" | grep -q 'Requesting program interpreter'; then
-        die "$b is dynamically linked"
-    fi
-    if readelf -d "$BIN/$b" | grep -q NEEDED; then die "$b needs shared libraries"; fi
-done
+build_static_binaries
+target=$STATIC_TARGET
+BIN=$STATIC_BIN
 log "static binaries ($target) in $((SECONDS - start))s: idemproxy $(stat -c %s "$BIN/idemproxy") bytes, sample-upstream $(stat -c %s "$BIN/sample-upstream") bytes"
 
 # ---------------------------------------------------------------------------
@@ -150,25 +113,9 @@ log "static binaries ($target) in $((SECONDS - start))s: idemproxy $(stat -c %s 
 # directory with only dist/: the prebuilt stage reads nothing else.
 
 start=$SECONDS
-mkdir -p "$WORK/context/dist"
-cp "$BIN/idemproxy" "$BIN/sample-upstream" "$WORK/context/dist/"
-CA=/etc/ssl/certs/ca-certificates.crt
-[[ -f $CA ]] || ensure_apt update-ca-certificates=ca-certificates
-cp "$CA" "$WORK/context/dist/ca-certificates.crt"
-
-bah() {
-    buildah --root "$WORK/storage" --runroot "$WORK/storage-run" --storage-driver vfs "$@"
-}
 revision=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-log "+ buildah bud --build-arg BINARY_SOURCE=prebuilt -f Dockerfile"
-bah bud --quiet --isolation chroot --pull=never --layers=false \
-    --build-arg BINARY_SOURCE=prebuilt \
-    --build-arg REVISION="$revision" \
-    --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
-    -f "$ROOT/Dockerfile" -t "$IMAGE" "$WORK/context" >"$WORK/buildah.log" 2>&1 ||
-    die "buildah bud failed"
-bah push --quiet "$IMAGE" "oci:$WORK/oci:smoke" >>"$WORK/buildah.log" 2>&1 ||
-    die "buildah push to an OCI layout failed"
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n1)
+build_image "$ROOT/Dockerfile" "$BIN" "$WORK" "$IMAGE" smoke "$version" "$revision"
 
 # What the image promises: its config, read back from the OCI layout.
 manifest=$(jq -r '.manifests[0].digest' "$WORK/oci/index.json")

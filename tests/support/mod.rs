@@ -30,6 +30,7 @@ pub mod harness;
 pub mod http;
 pub mod pgbouncer;
 pub mod pgcluster;
+pub mod previous;
 pub mod process;
 pub mod proxy_proc;
 pub mod records;

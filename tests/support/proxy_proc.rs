@@ -69,7 +69,7 @@ impl ProxyConfig {
         self
     }
 
-    fn toml(&self, listen: SocketAddr, admin: SocketAddr) -> String {
+    pub fn toml(&self, listen: SocketAddr, admin: SocketAddr) -> String {
         format!(
             r#"# Written by a fault test.
 [server]
@@ -165,7 +165,7 @@ impl ProxyProc {
         self.admin_get("/readyz").await
     }
 
-    async fn admin_get(&self, path: &str) -> Option<Resp> {
+    pub async fn admin_get(&self, path: &str) -> Option<Resp> {
         tokio::time::timeout(
             Duration::from_secs(3),
             HttpClient::new().try_send(Req::get(&self.admin_url(path))),
