@@ -644,16 +644,10 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Installs the tracing subscriber: `RUST_LOG`-style filter (default
-/// `info`), text or JSON, to standard error.
+/// Installs the tracing subscriber (see [`crate::logging`]).
 pub fn init_logging(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
+    crate::logging::init(match format {
+        LogFormat::Text => crate::logging::Format::Text,
+        LogFormat::Json => crate::logging::Format::Json,
+    });
 }

@@ -39,7 +39,7 @@
 //! module uses one to its right:
 //!
 //! ```text
-//! idempotency → config → store → {lease, waiters, cache} → proxy → server → admin → app → cli
+//! idempotency → config → store → {lease, waiters, cache} → proxy → server → admin → app → logging → cli
 //!   (pure)                 ↑                                  ↑
 //!   leaves used anywhere: pg_url, tls, backoff, metrics, lifecycle
 //! ```
@@ -52,7 +52,9 @@
 //!   bounded connections, the LISTEN loop, migrations.
 //! * [`lease`], [`waiters`], [`cache`]: per-process state around the store.
 //! * [`proxy`]: the request path; [`server`]: listeners; [`admin`]: the
-//!   admin endpoints; [`app`]: wiring; [`cli`]: the command.
+//!   admin endpoints; [`app`]: wiring; [`logging`]: the subscriber and
+//!   the ceiling that keeps bodies out of any log level; [`cli`]: the
+//!   command.
 
 pub mod admin;
 pub mod app;
@@ -63,6 +65,7 @@ pub mod config;
 pub mod idempotency;
 pub mod lease;
 pub mod lifecycle;
+pub mod logging;
 pub mod metrics;
 pub mod pg_url;
 pub mod proxy;

@@ -1,14 +1,11 @@
 //! TLS (issue "Security"): an `https://` upstream verified against a test
 //! CA and refused when its certificate is wrong; TLS on the proxy listener
-//! (HTTP/1.1 and h2 by ALPN); PostgreSQL over TLS with libpq's `sslmode`s
-//! against a private cluster started from the machine's PostgreSQL binaries.
+//! (HTTP/1.1 and h2 by ALPN). PostgreSQL over TLS is in `postgres_tls.rs`.
 
 mod support;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,100 +13,19 @@ use bytes::Bytes;
 use http::{Request, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use idemproxy::app::{self, Running, ServeOptions};
+use idemproxy::app::{self, ServeOptions};
 use idemproxy::config::{self, Overrides};
-use idemproxy::store::Store;
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
-};
 use rustls::pki_types::ServerName;
 use sample_upstream::SampleUpstreamHandle;
 use support::db::TestDb;
-use support::harness::{start_upstream, wait_ready, Setup};
+use support::harness::{start_upstream, Setup};
 use support::http::{HttpClient, Req};
+use support::tls_fixtures::{quoted, start_edited, with_key, Ca, Leaf, TempDir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 const PAY: &str = r#"{"amount": 100}"#;
-
-// ---------------------------------------------------------------------------
-// A throwaway PKI.
-
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
-/// A directory removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!(
-            "idemproxy-{tag}-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn write(&self, name: &str, contents: &str) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, contents).unwrap();
-        path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A test certificate authority.
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-/// A leaf certificate and its key, in PEM.
-struct Leaf {
-    cert_pem: String,
-    key_pem: String,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
-        Ca { issuer }
-    }
-
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    /// A server certificate for these names (DNS names or IP addresses).
-    fn leaf(&self, names: &[&str]) -> Leaf {
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let mut params = CertificateParams::new(names).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "idemproxy test server");
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Leaf {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-        }
-    }
-}
 
 fn acceptor(leaf: &Leaf, alpn: &[&[u8]]) -> TlsAcceptor {
     use rustls::pki_types::pem::PemObject;
@@ -166,19 +82,6 @@ async fn tls_front(leaf: &Leaf, backend: SocketAddr) -> SocketAddr {
     });
     addr
 }
-
-/// Inserts `line` at the top of the `[section]` table of a configuration.
-fn with_key(text: String, section: &str, line: &str) -> String {
-    let header = format!("[{section}]\n");
-    assert!(text.contains(&header), "no [{section}] in\n{text}");
-    text.replacen(&header, &format!("{header}{line}\n"), 1)
-}
-
-/// A TOML string literal.
-fn quoted(path: &Path) -> String {
-    toml::Value::String(path.display().to_string()).to_string()
-}
-
 /// The sample upstream and a fresh database, for proxies to stand in
 /// front of.
 struct Backend {
@@ -207,22 +110,6 @@ impl Backend {
             .unwrap()
             .get(0)
     }
-}
-
-/// Starts idemproxy with `setup`'s configuration, edited by `edit`, and
-/// waits until it is ready.
-async fn start_edited(
-    setup: &Setup,
-    upstream: &str,
-    db: &str,
-    edit: impl FnOnce(String) -> String,
-) -> Running {
-    let text = edit(setup.toml(upstream, db));
-    let config = config::parse(&text, "tls-test.toml", &Overrides::default())
-        .unwrap_or_else(|e| panic!("{e}\n{text}"));
-    let running = app::start(config, ServeOptions::default()).await.unwrap();
-    wait_ready(running.admin_addr).await;
-    running
 }
 
 #[tokio::test]
@@ -508,298 +395,4 @@ async fn tls_listener_files_are_checked_at_start() {
     )
     .unwrap_err();
     assert_eq!(err.problems[0].key, "server.tls_cert_file");
-}
-
-// ---------------------------------------------------------------------------
-// (c) PostgreSQL over TLS, against a private cluster.
-
-/// A private PostgreSQL cluster with `ssl = on`, accepting TLS connections
-/// only, on a free port; stopped and removed when dropped. Never the
-/// machine's shared server.
-struct TlsCluster {
-    dir: TempDir,
-    bindir: PathBuf,
-    run_as: Option<String>,
-    port: u16,
-}
-
-/// The server binaries: `IDEMPROXY_PG_BINDIR`, else the newest
-/// `/usr/lib/postgresql/*/bin` with `initdb`.
-fn pg_bindir() -> Option<PathBuf> {
-    if let Ok(dir) = std::env::var("IDEMPROXY_PG_BINDIR") {
-        return Some(PathBuf::from(dir));
-    }
-    let mut dirs: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let version = e.file_name().to_str()?.parse::<u32>().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("initdb").exists().then_some((version, bin))
-        })
-        .collect();
-    dirs.sort();
-    dirs.pop().map(|(_, bin)| bin)
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
-impl TlsCluster {
-    /// `None` when the machine has no PostgreSQL server binaries.
-    fn start(ca: &Ca, names: &[&str]) -> Option<TlsCluster> {
-        let bindir = pg_bindir()?;
-        // PostgreSQL refuses to run as root: run it as `postgres` then.
-        let run_as = is_root().then(|| "postgres".to_string());
-        let dir = TempDir::new("pg-tls");
-        if let Some(user) = &run_as {
-            let status = Command::new("chown")
-                .args(["-R", user, &dir.0.display().to_string()])
-                .status()
-                .unwrap();
-            assert!(status.success());
-        }
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
-        let cluster = TlsCluster {
-            dir,
-            bindir,
-            run_as,
-            port,
-        };
-        let data = cluster.data();
-        cluster.run(
-            "initdb",
-            &[
-                "-D",
-                &data,
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--locale=C",
-                "--no-sync",
-            ],
-        );
-        let leaf = ca.leaf(names);
-        let data_dir = PathBuf::from(&data);
-        std::fs::write(data_dir.join("server.crt"), &leaf.cert_pem).unwrap();
-        std::fs::write(data_dir.join("server.key"), &leaf.key_pem).unwrap();
-        {
-            use std::io::Write;
-            let mut conf = std::fs::OpenOptions::new()
-                .append(true)
-                .open(data_dir.join("postgresql.conf"))
-                .unwrap();
-            writeln!(
-                conf,
-                "\nlisten_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = ''\n\
-                 ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n\
-                 fsync = off\nmax_connections = 40"
-            )
-            .unwrap();
-        }
-        // TLS or nothing: a plaintext connection is rejected outright.
-        std::fs::write(
-            data_dir.join("pg_hba.conf"),
-            "hostssl all all 127.0.0.1/32 trust\nhostnossl all all 127.0.0.1/32 reject\n",
-        )
-        .unwrap();
-        if let Some(user) = &cluster.run_as {
-            for file in ["server.crt", "server.key"] {
-                let path = data_dir.join(file).display().to_string();
-                assert!(Command::new("chown")
-                    .args([user, &path])
-                    .status()
-                    .unwrap()
-                    .success());
-            }
-        }
-        let key = data_dir.join("server.key").display().to_string();
-        assert!(Command::new("chmod")
-            .args(["600", &key])
-            .status()
-            .unwrap()
-            .success());
-        let log = cluster.dir.0.join("server.log").display().to_string();
-        cluster.run(
-            "pg_ctl",
-            &["-D", &data, "-l", &log, "-w", "-t", "60", "-s", "start"],
-        );
-        Some(cluster)
-    }
-
-    fn data(&self) -> String {
-        self.dir.0.join("data").display().to_string()
-    }
-
-    fn run(&self, tool: &str, args: &[&str]) {
-        let program = self.bindir.join(tool);
-        let mut cmd = match &self.run_as {
-            Some(user) => {
-                let mut c = Command::new("runuser");
-                c.args(["-u", user, "--"]).arg(&program);
-                c
-            }
-            None => Command::new(&program),
-        };
-        let out = cmd
-            .args(args)
-            .current_dir("/")
-            .env("LC_ALL", "C")
-            .output()
-            .unwrap_or_else(|e| panic!("{tool}: {e}"));
-        assert!(
-            out.status.success(),
-            "{tool} failed: {}\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    /// A URL for `host` (connecting to 127.0.0.1 whatever the name).
-    fn url(&self, host: &str, params: &str) -> String {
-        format!(
-            "postgres://postgres@{host}:{}/postgres?hostaddr=127.0.0.1&{params}",
-            self.port
-        )
-    }
-}
-
-impl Drop for TlsCluster {
-    fn drop(&mut self) {
-        let data = self.data();
-        let program = self.bindir.join("pg_ctl");
-        let mut cmd = match &self.run_as {
-            Some(user) => {
-                let mut c = Command::new("runuser");
-                c.args(["-u", user, "--"]).arg(&program);
-                c
-            }
-            None => Command::new(&program),
-        };
-        let _ = cmd
-            .args(["-D", &data, "-m", "immediate", "-w", "-s", "stop"])
-            .current_dir("/")
-            .output();
-    }
-}
-
-/// A store on `url` with `store_toml` extra `[store]` keys; its first
-/// operation's result.
-async fn store_check(url: &str, store_toml: &str) -> Result<(), String> {
-    let text = format!(
-        "[store]\ndatabase_url = {}\ntimeout = \"5s\"\n{store_toml}",
-        toml::Value::String(url.into())
-    );
-    let config = config::parse(&text, "t.toml", &Overrides::default()).unwrap();
-    let store = Store::new(&config.store).map_err(|e| e.to_string())?;
-    store.migrate().await.map(|_| ()).map_err(|e| e.to_string())
-}
-
-#[tokio::test]
-async fn postgres_over_tls_follows_libpq_sslmodes() {
-    let ca = Ca::new("idemproxy test CA");
-    let other = Ca::new("some other CA");
-    let files = TempDir::new("pg-tls-ca");
-    let ca_file = files.write("ca.pem", &ca.pem());
-    let other_file = files.write("other.pem", &other.pem());
-    // The server's certificate names `localhost` only.
-    // A test that cannot run fails: no silent skip without the binaries.
-    let Some(cluster) = TlsCluster::start(&ca, &["localhost"]) else {
-        panic!(
-            "this test needs the PostgreSQL server binaries (initdb, pg_ctl, postgres) in \
-             IDEMPROXY_PG_BINDIR or /usr/lib/postgresql/*/bin: install the PostgreSQL \
-             server package (Debian/Ubuntu: postgresql)"
-        );
-    };
-    let ca_key = format!("ca_file = {}\n", quoted(&ca_file));
-    let other_key = format!("ca_file = {}\n", quoted(&other_file));
-
-    // verify-full with the right CA and name: the whole proxy runs on it.
-    let url = cluster.url("localhost", "sslmode=verify-full");
-    let (upstream, _stop) = start_upstream().await;
-    let proxy = start_edited(&Setup::default(), &upstream.url(), &url, |t| {
-        with_key(t, "store", ca_key.trim_end())
-    })
-    .await;
-    let client = HttpClient::new();
-    let post = || {
-        Req::post(&format!("http://{}/v1/orders", proxy.proxy_addr))
-            .key("k-pg-tls")
-            .json(PAY)
-    };
-    assert_eq!(client.send(post()).await.status, 201);
-    assert!(client.send(post()).await.replayed());
-    assert_eq!(upstream.executions("k-pg-tls"), 1);
-    // Its connections are encrypted (and could not be otherwise: the
-    // cluster rejects plaintext).
-    let tls = idemproxy::store::tls::connection(&url, Some(&ca_file)).unwrap();
-    let (pg, conn) = tls.config.connect(tls.tls).await.unwrap();
-    tokio::spawn(conn);
-    let encrypted: i64 = pg
-        .query_one(
-            "SELECT count(*) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) \
-             WHERE ssl AND application_name = 'idemproxy'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(encrypted >= 1, "no encrypted idemproxy connection");
-    proxy.shutdown().await;
-
-    // The CA may come from libpq's sslrootcert instead.
-    let rootcert = format!(
-        "sslmode=verify-full&sslrootcert={}",
-        ca_file.display().to_string().replace(' ', "%20")
-    );
-    store_check(&cluster.url("localhost", &rootcert), "")
-        .await
-        .unwrap();
-    // verify-full checks the name: 127.0.0.1 is not in the certificate…
-    let err = store_check(&cluster.url("127.0.0.1", "sslmode=verify-full"), &ca_key)
-        .await
-        .unwrap_err();
-    assert!(err.contains("certificate"), "{err}");
-    // …which verify-ca does not compare.
-    store_check(&cluster.url("127.0.0.1", "sslmode=verify-ca"), &ca_key)
-        .await
-        .unwrap();
-    // Another CA: refused, whatever the name.
-    for mode in ["verify-full", "verify-ca", "require"] {
-        let err = store_check(
-            &cluster.url("localhost", &format!("sslmode={mode}")),
-            &other_key,
-        )
-        .await
-        .unwrap_err();
-        assert!(err.contains("certificate"), "{mode}: {err}");
-    }
-    // require without a CA encrypts without verifying, as libpq does; so
-    // does the default (prefer).
-    store_check(&cluster.url("127.0.0.1", "sslmode=require"), "")
-        .await
-        .unwrap();
-    store_check(&cluster.url("127.0.0.1", "application_name=x"), "")
-        .await
-        .unwrap();
-    // disable sends plaintext, which this cluster rejects.
-    let err = store_check(&cluster.url("localhost", "sslmode=disable"), "")
-        .await
-        .unwrap_err();
-    assert!(
-        err.contains("no encryption") || err.contains("pg_hba"),
-        "{err}"
-    );
-    drop(cluster);
 }

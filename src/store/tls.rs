@@ -14,6 +14,10 @@
 //! | `verify-ca` | always | chain, against the CA file or else the system store |
 //! | `verify-full` | always | chain and host name |
 //!
+//! "none" means none: under `prefer` and `require` a certificate of any
+//! form (X.509 v1 included, as libpq) is accepted, and only the handshake
+//! signature is checked, against its public key (`NoVerification`).
+//!
 //! The CA file is `store.ca_file`, or libpq's `sslrootcert` parameter in the
 //! URL (one of the two). `allow` is refused: it would try plaintext first.
 //!
@@ -25,9 +29,11 @@ use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
-use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, SignatureScheme};
+use rustls::crypto::{verify_tls13_signature_with_raw_key, CryptoProvider};
+use rustls::pki_types::{CertificateDer, ServerName, SubjectPublicKeyInfoDer, UnixTime};
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, PeerMisbehaved, SignatureScheme,
+};
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::Socket;
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -86,11 +92,17 @@ pub fn connection(url: &str, ca_file: Option<&Path>) -> Result<Connection, Store
         }
         SslMode::Require | SslMode::VerifyCa => {
             config.ssl_mode(tokio_postgres::config::SslMode::Require);
-            Arc::new(ChainOnly(webpki_verifier(ca.as_deref())?))
+            Arc::new(Verifying {
+                webpki: webpki_verifier(ca.as_deref())?,
+                check_name: false,
+            })
         }
         SslMode::VerifyFull => {
             config.ssl_mode(tokio_postgres::config::SslMode::Require);
-            webpki_verifier(ca.as_deref())?
+            Arc::new(Verifying {
+                webpki: webpki_verifier(ca.as_deref())?,
+                check_name: true,
+            })
         }
     };
     let tls = ClientConfig::builder_with_provider(provider())
@@ -121,6 +133,14 @@ fn webpki_verifier(ca: Option<&Path>) -> Result<Arc<WebPkiServerVerifier>, Store
 /// file): the connection is encrypted against eavesdroppers but not
 /// authenticated. The handshake signatures are still checked, so the peer
 /// holds the key of the certificate it sent.
+///
+/// The signatures are checked against the certificate's bare public key,
+/// never by parsing it as a certificate to verify: rustls's own
+/// `verify_tls1x_signature` go through webpki's end-entity parser, which
+/// refuses anything but X.509 v3 (`UnsupportedCertVersion`), and so would
+/// refuse the v1 certificates that libpq accepts in these modes (Citus
+/// generates them, as do many hand-made set-ups). Only `verify-ca` and
+/// `verify-full` may refuse a certificate.
 #[derive(Debug)]
 struct NoVerification(Arc<CryptoProvider>);
 
@@ -142,12 +162,29 @@ impl ServerCertVerifier for NoVerification {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
+        let spki = SubjectPublicKeyInfoDer::from(certificate_key(cert)?);
+        let key = webpki::RawPublicKeyEntity::try_from(&spki)
+            .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        // In TLS 1.2 an ECDSA scheme does not name the curve: the provider
+        // maps it to several algorithms, and the key's own picks one.
+        let algorithms = self
+            .0
+            .signature_verification_algorithms
+            .mapping
+            .iter()
+            .find(|(scheme, _)| *scheme == dss.scheme)
+            .map(|(_, algorithms)| *algorithms)
+            .ok_or(PeerMisbehaved::SignedHandshakeWithUnadvertisedSigScheme)?;
+        if algorithms
+            .iter()
+            .any(|alg| key.verify_signature(*alg, message, dss.signature()).is_ok())
+        {
+            Ok(HandshakeSignatureValid::assertion())
+        } else {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::BadSignature,
+            ))
+        }
     }
 
     fn verify_tls13_signature(
@@ -156,9 +193,10 @@ impl ServerCertVerifier for NoVerification {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
+        let spki = SubjectPublicKeyInfoDer::from(certificate_key(cert)?);
+        verify_tls13_signature_with_raw_key(
             message,
-            cert,
+            &spki,
             dss,
             &self.0.signature_verification_algorithms,
         )
@@ -169,12 +207,102 @@ impl ServerCertVerifier for NoVerification {
     }
 }
 
-/// libpq's `verify-ca`: the chain must lead to a trusted CA; the host name
-/// is not compared.
-#[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+/// The DER `SubjectPublicKeyInfo` of an X.509 certificate of any version
+/// (v1 has no `[0] version` field; v2 and v3 have one).
+fn certificate_key<'c>(cert: &'c CertificateDer<'_>) -> Result<&'c [u8], rustls::Error> {
+    spki_of(cert.as_ref()).ok_or(rustls::Error::InvalidCertificate(
+        CertificateError::BadEncoding,
+    ))
+}
 
-impl ServerCertVerifier for ChainOnly {
+/// `Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version
+/// OPTIONAL, serialNumber, signature, issuer, validity, subject,
+/// subjectPublicKeyInfo, … }, … }`: the whole `subjectPublicKeyInfo`
+/// element, or `None` when the DER does not have that shape.
+fn spki_of(cert: &[u8]) -> Option<&[u8]> {
+    const SEQUENCE: u8 = 0x30;
+    const VERSION: u8 = 0xA0;
+    let certificate = der_element(cert).filter(|e| e.tag == SEQUENCE)?;
+    let tbs = der_element(certificate.contents).filter(|e| e.tag == SEQUENCE)?;
+    let mut rest = tbs.contents;
+    if rest.first() == Some(&VERSION) {
+        rest = der_element(rest)?.rest;
+    }
+    // serialNumber, signature, issuer, validity, subject.
+    for _ in 0..5 {
+        rest = der_element(rest)?.rest;
+    }
+    let spki = der_element(rest).filter(|e| e.tag == SEQUENCE)?;
+    Some(spki.whole)
+}
+
+/// One DER element at the start of some input.
+struct DerElement<'a> {
+    tag: u8,
+    /// Tag, length and contents.
+    whole: &'a [u8],
+    contents: &'a [u8],
+    /// What follows the element.
+    rest: &'a [u8],
+}
+
+/// The DER element at the start of `input`. Single-byte tags, definite
+/// lengths up to 4 bytes: all a certificate's outer structure uses.
+fn der_element(input: &[u8]) -> Option<DerElement<'_>> {
+    let tag = *input.first()?;
+    let first = *input.get(1)?;
+    let (len, header) = if first < 0x80 {
+        (usize::from(first), 2)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 {
+            return None;
+        }
+        let bytes = input.get(2..2 + n)?;
+        let len = bytes
+            .iter()
+            .fold(0usize, |acc, b| (acc << 8) | usize::from(*b));
+        (len, 2 + n)
+    };
+    let end = header.checked_add(len)?;
+    let whole = input.get(..end)?;
+    Some(DerElement {
+        tag,
+        whole,
+        contents: &whole[header..],
+        rest: &input[end..],
+    })
+}
+
+/// libpq's `verify-ca` (`check_name: false`: the chain must lead to a
+/// trusted CA, the host name is not compared) and `verify-full`; webpki's
+/// checks, with the one refusal that libpq would not make explained.
+#[derive(Debug)]
+struct Verifying {
+    webpki: Arc<WebPkiServerVerifier>,
+    check_name: bool,
+}
+
+/// webpki verifies X.509 v3 certificates only, where OpenSSL also takes v1:
+/// say so rather than `UnsupportedCertVersion`.
+fn explain(e: rustls::Error) -> rustls::Error {
+    let unsupported_version = matches!(
+        &e,
+        rustls::Error::InvalidCertificate(CertificateError::Other(other))
+            if matches!(other.0.downcast_ref::<webpki::Error>(), Some(webpki::Error::UnsupportedCertVersion))
+    );
+    if unsupported_version {
+        rustls::Error::General(
+            "the server's certificate is not X.509 version 3, which sslmode=verify-ca and \
+             verify-full require (sslmode=require does not verify it)"
+                .into(),
+        )
+    } else {
+        e
+    }
+}
+
+impl ServerCertVerifier for Verifying {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -183,14 +311,17 @@ impl ServerCertVerifier for ChainOnly {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        match self.webpki.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        ) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
-            other => other,
+            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
+            other => other.map_err(explain),
         }
     }
 
@@ -200,7 +331,7 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        self.webpki.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -209,11 +340,11 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        self.webpki.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.webpki.supported_verify_schemes()
     }
 }
 
@@ -333,5 +464,22 @@ mod tests {
             err.contains("store.ca_file") && err.contains("/nonexistent/ca.pem"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_public_key_is_found_in_a_v3_certificate_and_garbage_is_refused() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["db".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        use rcgen::PublicKeyData;
+        let spki = key.subject_public_key_info();
+        assert_eq!(spki_of(cert.der()), Some(spki.as_slice()));
+        let der = cert.der().to_vec();
+        for cut in [0, 1, 2, 10, der.len() / 2, der.len() - 1] {
+            assert_eq!(spki_of(&der[..cut]), None, "{cut}");
+        }
+        assert_eq!(spki_of(&[0x30, 0x85, 1, 1, 1, 1, 1]), None);
     }
 }

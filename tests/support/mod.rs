@@ -14,8 +14,8 @@
 //!   serve`).
 //! * Around them: private PostgreSQL clusters ([`pgcluster`]), a real
 //!   PgBouncer ([`pgbouncer`]), a TCP link whose latency a test can turn up
-//!   ([`slowlink`]), the seeded chaos driver and checker ([`chaos`]), and a
-//!   seeded generator ([`rng`]).
+//!   ([`slowlink`]), the seeded chaos driver and checker ([`chaos`]), a
+//!   seeded generator ([`rng`]), and a throwaway PKI ([`tls_fixtures`]).
 //!
 //! Waiting: a test that waits for something observable polls it with
 //! [`eventually`] (or [`poll_until`]) instead of sleeping for a guessed
@@ -36,6 +36,7 @@ pub mod proxy_proc;
 pub mod records;
 pub mod rng;
 pub mod slowlink;
+pub mod tls_fixtures;
 pub mod upstream_proc;
 
 use std::cell::RefCell;

@@ -27,6 +27,8 @@ pub struct ProxyConfig {
     pub store: String,
     /// `[[route]]` tables (none: the built-in catch-all route).
     pub routes: String,
+    /// The child's `RUST_LOG` (`info` unless a test turns it up).
+    pub rust_log: String,
 }
 
 impl ProxyConfig {
@@ -42,6 +44,7 @@ impl ProxyConfig {
             defaults: String::new(),
             store: String::new(),
             routes: String::new(),
+            rust_log: "info".into(),
         }
     }
     /// Behind a pooler in transaction mode: no named prepared statements,
@@ -135,7 +138,7 @@ impl ProxyProc {
             ],
             dir.join(&format!("{name}.log")),
         )
-        .env("RUST_LOG", "info");
+        .env("RUST_LOG", &config.rust_log);
         proc.spawn(false);
         ProxyProc {
             proc,
