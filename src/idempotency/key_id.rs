@@ -116,6 +116,10 @@ mod tests {
         assert_ne!(a, KeyId::new(&TenantId::from_stored("b"), &k("b")));
         assert_ne!(a, KeyId::new(&TenantId::from_stored("a:b"), &k("c")));
         assert_eq!(a, KeyId::of_stored("a", "b"));
+        // The boundary itself: the same bytes split at another place (the
+        // separator is what tells them apart).
+        assert_ne!(KeyId::of_stored("a", "bc"), KeyId::of_stored("ab", "c"));
+        assert_ne!(KeyId::of_stored("", "ab"), KeyId::of_stored("ab", ""));
     }
 
     fn rk(tenant: &str, key: &str) -> RecordKey {
