@@ -4,62 +4,16 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use support::db::TestDb;
 use support::harness::{Harness, Setup};
 use support::http::Req;
-use tokio::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 
-/// What a finished command left behind.
-#[derive(Debug)]
-struct Output {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Output {
-    fn both(&self) -> String {
-        format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
-    }
-}
-
-/// A command with a clean environment for idemproxy's own variables.
-fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env_remove("IDEMPROXY_DATABASE_URL")
-        .env_remove("IDEMPROXY_CONFIG")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd
-}
-
-/// Runs `idemproxy ARGS` to completion (at most 20 s).
-async fn idemproxy(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let out = tokio::time::timeout(Duration::from_secs(20), command(args, env).output())
-        .await
-        .unwrap_or_else(|_| panic!("idemproxy {args:?} did not finish"))
-        .expect("running the idemproxy binary");
-    Output {
-        code: out.status.code(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
+use support::cli::{command, run as idemproxy, Output};
 
 static FILES: AtomicU32 = AtomicU32::new(0);
 

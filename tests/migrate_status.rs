@@ -4,49 +4,15 @@
 
 mod support;
 
-use std::process::Stdio;
-use std::time::Duration;
-
 use support::db::TestDb;
-use tokio::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
-
-#[derive(Debug)]
-struct Output {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Output {
-    fn both(&self) -> String {
-        format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
-    }
-}
+use support::cli::Output;
 
 /// Runs `idemproxy ARGS` against `db` (at most 20 s).
 async fn idemproxy(args: &[&str], db: Option<&TestDb>) -> Output {
-    let mut cmd = Command::new(BIN);
-    cmd.args(args)
-        .env_remove("IDEMPROXY_DATABASE_URL")
-        .env_remove("IDEMPROXY_CONFIG")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    if let Some(db) = db {
-        cmd.env("IDEMPROXY_DATABASE_URL", &db.url);
-    }
-    let out = tokio::time::timeout(Duration::from_secs(20), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("idemproxy {args:?} did not finish"))
-        .expect("running the idemproxy binary");
-    Output {
-        code: out.status.code(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    match db {
+        Some(db) => support::cli::run(args, &[("IDEMPROXY_DATABASE_URL", db.url.as_str())]).await,
+        None => support::cli::run(args, &[]).await,
     }
 }
 

@@ -25,6 +25,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod chaos;
+pub mod cli;
 pub mod db;
 pub mod harness;
 pub mod http;
