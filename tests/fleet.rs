@@ -73,10 +73,23 @@ impl Fleet {
                 .lease("3s")
                 .store_timeout("2s"),
         );
+        // With named statements through the pooler `/readyz/store` may
+        // never answer 200 (its probe is such a statement: that is the point
+        // of the test that turns them on), so there "ready" means listening
+        // and the schema migrated, read on a direct connection.
+        let named_statements = config.store.contains("prepared_statements = true");
         let mut procs = Vec::new();
         // One at a time: the first applies the migrations.
         for i in 0..replicas {
-            procs.push(ProxyProc::start(&dir, &format!("replica-{i}"), &config).await);
+            let name = format!("replica-{i}");
+            if named_statements {
+                let p = ProxyProc::spawn(&dir, &name, &config);
+                p.wait_listening(Duration::from_secs(20)).await;
+                wait_migrated(&sql).await;
+                procs.push(p);
+            } else {
+                procs.push(ProxyProc::start(&dir, &name, &config).await);
+            }
         }
         let fleet = Fleet {
             _dir: dir,
@@ -121,6 +134,26 @@ impl Fleet {
     /// Keyed POST to replica `i` with an upstream delay.
     async fn post(&self, i: usize, key: &str, delay_ms: u64) -> Result<Resp, String> {
         send(&self.replicas[i], key, delay_ms).await
+    }
+}
+
+/// Waits until the first migration is recorded (read directly, not through
+/// the pooler).
+async fn wait_migrated(sql: &tokio_postgres::Client) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let done = sql
+            .query_opt(
+                "SELECT 1 FROM idemproxy_schema_migrations WHERE version = 1",
+                &[],
+            )
+            .await
+            .is_ok_and(|row| row.is_some());
+        if done {
+            return;
+        }
+        assert!(Instant::now() < deadline, "schema not migrated within 20s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

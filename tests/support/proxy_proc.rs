@@ -202,6 +202,22 @@ impl ProxyProc {
         started.elapsed()
     }
 
+    /// Waits until `/readyz` answers 200 (listening, not draining), whatever
+    /// the store's state.
+    pub async fn wait_listening(&self, timeout: Duration) {
+        let ready = poll_every(Duration::from_millis(25), timeout, || async {
+            let r = self.readyz().await?;
+            (r.status == StatusCode::OK).then_some(())
+        })
+        .await;
+        assert!(
+            ready.is_some(),
+            "{} not listening within {timeout:?}\n{}",
+            self.proc.name,
+            self.proc.log_tail(30)
+        );
+    }
+
     /// The Prometheus text of `/metrics`.
     pub async fn metrics(&self) -> String {
         HttpClient::new()
