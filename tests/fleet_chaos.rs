@@ -97,6 +97,10 @@ async fn fleet_of_six_through_a_transaction_pooler_keeps_every_invariant_and_the
         &pg.url("idemproxy"),
         PgBouncerOptions {
             pool_size: SERVER_POOL,
+            // Server connections open before the traffic starts, as a
+            // pooler in production has them: otherwise the first burst
+            // waits for eight backends to start within one store timeout.
+            min_pool_size: SERVER_POOL,
             ..PgBouncerOptions::default()
         },
     )
@@ -120,6 +124,21 @@ async fn fleet_of_six_through_a_transaction_pooler_keeps_every_invariant_and_the
     for i in 0..settings.replicas {
         let p = ProxyProc::start(&dir, &format!("replica-{i}"), &config).await;
         replicas.push(Arc::new(AsyncMutex::new(p)));
+    }
+
+    // The pool exists once the replicas have checked their readiness
+    // through it; wait for the pooler to have filled it.
+    let warm = Instant::now();
+    loop {
+        let p = bouncer.pool("idemproxy").await;
+        if p.sv_active + p.sv_idle + p.sv_used >= i64::from(SERVER_POOL) {
+            break;
+        }
+        assert!(
+            warm.elapsed() < Duration::from_secs(20),
+            "the pooler did not open its {SERVER_POOL} server connections: {p:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
     // The sampler: the whole server's client backends (max_connections is

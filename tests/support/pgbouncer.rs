@@ -40,6 +40,9 @@ pub struct PgBouncerOptions {
     pub pool_size: u32,
     /// `max_client_conn`.
     pub max_client_conn: u32,
+    /// `min_pool_size`: server connections the pooler keeps open per pool
+    /// once a client has used it (0: opened on demand).
+    pub min_pool_size: u32,
 }
 
 impl Default for PgBouncerOptions {
@@ -48,6 +51,7 @@ impl Default for PgBouncerOptions {
             mode: "transaction".into(),
             pool_size: 6,
             max_client_conn: 500,
+            min_pool_size: 0,
         }
     }
 }
@@ -154,7 +158,7 @@ impl PgBouncer {
                  pool_mode = {mode}\n\
                  default_pool_size = {pool}\n\
                  max_db_connections = {pool}\n\
-                 min_pool_size = 0\n\
+                 min_pool_size = {min_pool}\n\
                  reserve_pool_size = 0\n\
                  max_client_conn = {max_client}\n\
                  ignore_startup_parameters = extra_float_digits,options\n\
@@ -168,6 +172,7 @@ impl PgBouncer {
                 mode = options.mode,
                 pool = options.pool_size,
                 max_client = options.max_client_conn,
+                min_pool = options.min_pool_size,
             ),
         );
         let (program, args) = match &run_as {
