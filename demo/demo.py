@@ -271,7 +271,7 @@ def stripe_client(base: str, p: Params) -> Outcome:
         charge = client.v1.charges.create(
             params={"amount": AMOUNT, "currency": "usd", "source": "tok_visa"}
         )
-        got, ok, attempt = f"charge {charge.id}", True, str(charge.get("attempt", ""))
+        got, ok, attempt = f"charge {charge.id}", True, str(charge.to_dict().get("attempt", ""))
     except stripe.StripeError as e:
         got, ok, attempt = f"{type(e).__name__}", False, ""
     # The SDK mints one key per create() and sends it on every retry.
