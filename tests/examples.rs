@@ -39,14 +39,20 @@ fn tool(var: &str, candidates: &[&str], install: &str) -> PathBuf {
     }
     for candidate in candidates {
         let runs = std::process::Command::new(candidate)
-            .arg(if candidate.ends_with("go") { "version" } else { "--version" })
+            .arg(if candidate.ends_with("go") {
+                "version"
+            } else {
+                "--version"
+            })
             .output()
             .is_ok_and(|o| o.status.success());
         if runs {
             return PathBuf::from(candidate);
         }
     }
-    panic!("{candidates:?} not found: {install}, or set {var} (scripts/dev test installs Go as root)");
+    panic!(
+        "{candidates:?} not found: {install}, or set {var} (scripts/dev test installs Go as root)"
+    );
 }
 
 /// Builds the Go example once into `dir` and returns the binary.

@@ -162,10 +162,19 @@ async fn options_slow_every_execution_and_shape_a_charge() {
     .unwrap();
     let c = client();
     let started = Instant::now();
-    let req = request(&up, Method::POST, "/v1/charges", &[("idempotency-key", "c")], b"amount=100");
+    let req = request(
+        &up,
+        Method::POST,
+        "/v1/charges",
+        &[("idempotency-key", "c")],
+        b"amount=100",
+    );
     let (status, _, body) = send(&c, req).await;
     assert_eq!(status, StatusCode::CREATED);
-    assert!(started.elapsed() >= Duration::from_millis(300), "the default delay applies");
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "the default delay applies"
+    );
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(json["id"], "ch_1");
     assert_eq!(json["object"], "charge");
@@ -173,9 +182,18 @@ async fn options_slow_every_execution_and_shape_a_charge() {
 
     // A request's own delay header wins over the default.
     let started = Instant::now();
-    let req = request(&up, Method::POST, "/v1/charges", &[(DELAY_HEADER, "0")], b"");
+    let req = request(
+        &up,
+        Method::POST,
+        "/v1/charges",
+        &[(DELAY_HEADER, "0")],
+        b"",
+    );
     let (_, _, body) = send(&c, req).await;
-    assert!(started.elapsed() < Duration::from_millis(300), "x-sample-delay-ms: 0 wins");
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "x-sample-delay-ms: 0 wins"
+    );
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(json["id"], "ch_2");
     let _ = tx.send(());
