@@ -332,7 +332,7 @@ def urllib3_client(base: str, p: Params, key: str | None = None) -> Outcome:
         return Outcome(failed[0] + 1, f"HTTP {r.status}", key, False)
     except urllib3.exceptions.MaxRetryError as e:
         reason = type(e.reason).__name__ if e.reason else "MaxRetryError"
-        return Outcome(failed[0], f"MaxRetryError ({reason})", key, False)
+        return Outcome(failed[0], reason, key, False)
     finally:
         pool.clear()
 
@@ -440,8 +440,8 @@ def main() -> int:
         ]
         paths = [
             ("direct", service.url, "many"),
-            ("idemproxy (409 + Retry-After)", proxy.url, "once"),
-            ("idemproxy, wait = 10s", proxy.url + "/wait", "once"),
+            ("idemproxy", proxy.url, "once"),
+            ("idemproxy, wait", proxy.url + "/wait", "once"),
         ]
         rows = []
         jobs = []
@@ -455,7 +455,7 @@ def main() -> int:
             log(f"{len(jobs)} clients creating one charge each")
             for row, job in jobs:
                 row.outcome = job.result()
-        takeover = Row(f"urllib3 {urllib3.__version__} Retry", "idemproxy killed mid-call", "takeover")
+        takeover = Row(f"urllib3 {urllib3.__version__} Retry", "idemproxy, killed mid-call", "takeover")
         takeover.outcome = takeover_run(service, doomed, p)
         rows.append(takeover)
 
@@ -479,9 +479,12 @@ def main() -> int:
 
 def print_table(rows: list[Row], p: Params) -> None:
     print(
-        f"One charge. The legacy service takes {p.delay_ms / 1000:g} s per charge and executes "
-        f"every request it gets;\neach client times out after {p.timeout_s:g} s and retries up "
-        f"to {p.retries} times with one Idempotency-Key.\n"
+        f"One charge per row. The legacy service takes {p.delay_ms / 1000:g} s per charge and "
+        f"executes every request it gets;\neach client times out after {p.timeout_s:g} s and "
+        f"retries up to {p.retries} times with one Idempotency-Key.\n"
+        "idemproxy: a retry that lands while the original runs gets 409 + Retry-After; "
+        "wait: it waits for\nthe original's answer instead; killed mid-call: SIGKILL and "
+        "restart while the service runs the charge.\n"
     )
     header = ("client", "path", "retries sent", "executions", "client got", "time")
     table = [header]
@@ -489,7 +492,7 @@ def print_table(rows: list[Row], p: Params) -> None:
         o = r.outcome
         execs = str(r.executions)
         if r.expect == "takeover":
-            execs += " (2nd: attempt 2)"
+            execs += " (attempt 2)"
         got = o.got if o.ok else f"error: {o.got}"
         table.append((r.client, r.path, str(o.requests - 1), execs, got, f"{o.seconds:.1f} s"))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
