@@ -1,6 +1,6 @@
 // Create one order, retrying safely: one Idempotency-Key per intent.
 //
-//	go run ./examples/go [BASE_URL]     # default http://localhost:8080
+//	go run examples/go/main.go [BASE_URL]     # default http://localhost:8080
 //
 // The key is minted once, before the first attempt, and sent on every
 // retry, so however many attempts reach the server, a service behind
