@@ -147,7 +147,7 @@ pub(crate) async fn handle(
     });
     tracing::info!(%method, %path, %key, execution, key_executions, "sample upstream executed a request");
 
-    if let Some(delay) = controls.delay {
+    if let Some(delay) = controls.delay.or(state.options.delay) {
         tokio::time::sleep(delay).await;
     }
     match controls.fail {
@@ -163,7 +163,7 @@ pub(crate) async fn handle(
     let (content_type, payload) = match controls.body_size {
         Some(n) => ("application/octet-stream", Bytes::from(body_pattern(n))),
         None => {
-            let json = serde_json::json!({
+            let mut json = serde_json::json!({
                 "execution": execution,
                 "key_executions": key_executions,
                 "key": key,
@@ -173,6 +173,10 @@ pub(crate) async fn handle(
                 "body_sha256": hex::encode(Sha256::digest(&body)),
                 "body_len": body.len(),
             });
+            if state.options.charges {
+                json["id"] = format!("ch_{execution}").into();
+                json["object"] = "charge".into();
+            }
             ("application/json", Bytes::from(json.to_string()))
         }
     };

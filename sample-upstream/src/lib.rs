@@ -28,6 +28,14 @@
 //! | [`SET_COOKIE_HEADER`] `x-sample-set-cookie: N` | add N separate `Set-Cookie: c{i}=v{i}` lines, i = 1..=N |
 //! | [`SLOW_BODY_HEADER`] `x-sample-slow-body-ms: N` | send the body in small chunks with N ms between them |
 //!
+//! Two options of [`SampleUpstream::start_with`] (the binary's `--delay-ms`
+//! and `--charges`) make it the demo's slow legacy payment service:
+//! [`Options::delay`] is the delay of every execution that does not send
+//! [`DELAY_HEADER`] itself (a client that knows nothing of this server still
+//! meets a slow service), and [`Options::charges`] adds `"id": "ch_<n>"` and
+//! `"object": "charge"` to the JSON answer, enough for a Stripe SDK to read
+//! it as a Charge.
+//!
 //! A request whose control headers cannot be parsed is answered `400` with a
 //! JSON `{"error": ...}` body and is **not** counted or recorded.
 //!
@@ -150,12 +158,22 @@ pub fn body_pattern(len: usize) -> Vec<u8> {
     BODY_ALPHABET.iter().copied().cycle().take(len).collect()
 }
 
+/// How a sample upstream behaves when a request does not say otherwise.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Delay of every execution without a [`DELAY_HEADER`] of its own.
+    pub delay: Option<Duration>,
+    /// Answer JSON that a Stripe SDK reads as a Charge (`id`, `object`).
+    pub charges: bool,
+}
+
 /// The shared state of a running sample upstream: execution counters and the
 /// record of every executed request. Create one with [`SampleUpstream::start`]
 /// and inspect it through the returned [`SampleUpstreamHandle`].
 #[derive(Debug)]
 pub struct SampleUpstream {
     counters: Mutex<Counters>,
+    options: Options,
     /// Flipped to `true` when shutdown begins; releases `hang` requests.
     stopping: watch::Sender<bool>,
 }
@@ -224,11 +242,25 @@ impl SampleUpstream {
         addr: SocketAddr,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<SampleUpstreamHandle> {
+        Self::start_with(addr, Options::default(), shutdown).await
+    }
+
+    /// [`SampleUpstream::start`] with [`Options`].
+    ///
+    /// # Errors
+    ///
+    /// Fails if the address cannot be bound.
+    pub async fn start_with(
+        addr: SocketAddr,
+        options: Options,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<SampleUpstreamHandle> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (stopping, _) = watch::channel(false);
         let state = Arc::new(SampleUpstream {
             counters: Mutex::new(Counters::default()),
+            options,
             stopping,
         });
         let (stopped_tx, stopped) = watch::channel(false);

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! sample-upstream --listen 127.0.0.1:3000
+//! sample-upstream --listen 127.0.0.1:3001 --delay-ms 2500 --charges   # the demo's legacy payment service
 //! ```
 //!
 //! Once bound, it prints `listening on http://ADDR` as the first line on
@@ -14,7 +15,7 @@ use std::io::{IsTerminal as _, Write as _};
 use std::net::SocketAddr;
 
 use clap::Parser;
-use sample_upstream::SampleUpstream;
+use sample_upstream::{Options, SampleUpstream};
 use tracing_subscriber::EnvFilter;
 
 /// A sample non-idempotent upstream that counts executions per Idempotency-Key.
@@ -24,6 +25,14 @@ struct Args {
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, env = "SAMPLE_UPSTREAM_LISTEN", default_value = "127.0.0.1:3000")]
     listen: SocketAddr,
+    /// Delay every execution by this many milliseconds (a request's own
+    /// x-sample-delay-ms wins): a slow legacy service.
+    #[arg(long, env = "SAMPLE_UPSTREAM_DELAY_MS", value_name = "MS")]
+    delay_ms: Option<u64>,
+    /// Add "id": "ch_<n>" and "object": "charge" to every JSON answer, so that
+    /// a Stripe SDK pointed here reads it as a Charge.
+    #[arg(long, env = "SAMPLE_UPSTREAM_CHARGES")]
+    charges: bool,
 }
 
 #[tokio::main]
@@ -38,7 +47,11 @@ async fn main() -> anyhow::Result<()> {
         .init();
 
     let shutdown = shutdown_signal()?;
-    let upstream = SampleUpstream::start(args.listen, shutdown).await?;
+    let options = Options {
+        delay: args.delay_ms.map(std::time::Duration::from_millis),
+        charges: args.charges,
+    };
+    let upstream = SampleUpstream::start_with(args.listen, options, shutdown).await?;
     tracing::info!(addr = %upstream.addr(), "sample upstream listening");
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "listening on {}", upstream.url())?;

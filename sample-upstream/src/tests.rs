@@ -149,6 +149,58 @@ async fn delay_counts_before_answering() {
 }
 
 #[tokio::test]
+async fn options_slow_every_execution_and_shape_a_charge() {
+    let (tx, rx) = oneshot::channel::<()>();
+    let options = Options {
+        delay: Some(Duration::from_millis(300)),
+        charges: true,
+    };
+    let up = SampleUpstream::start_with("127.0.0.1:0".parse().unwrap(), options, async move {
+        let _ = rx.await;
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let started = Instant::now();
+    let req = request(
+        &up,
+        Method::POST,
+        "/v1/charges",
+        &[("idempotency-key", "c")],
+        b"amount=100",
+    );
+    let (status, _, body) = send(&c, req).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "the default delay applies"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(json["id"], "ch_1");
+    assert_eq!(json["object"], "charge");
+    assert_eq!(json["key_executions"], 1);
+
+    // A request's own delay header wins over the default.
+    let started = Instant::now();
+    let req = request(
+        &up,
+        Method::POST,
+        "/v1/charges",
+        &[(DELAY_HEADER, "0")],
+        b"",
+    );
+    let (_, _, body) = send(&c, req).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "x-sample-delay-ms: 0 wins"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(json["id"], "ch_2");
+    let _ = tx.send(());
+    up.stopped().await;
+}
+
+#[tokio::test]
 async fn status_override_still_executes() {
     let (up, _tx) = start().await;
     let c = client();

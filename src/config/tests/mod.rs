@@ -344,7 +344,7 @@ fn shipped_config_files_parse() {
     )
     .unwrap_or_else(|err| panic!("{err}"));
     assert_eq!(dev.server.listen, "127.0.0.1:8080".parse().unwrap());
-    assert_eq!(dev.server.admin_listen, "127.0.0.1:9090".parse().unwrap());
+    assert_eq!(dev.server.admin_listen, "127.0.0.1:9190".parse().unwrap());
     assert_eq!(dev.upstream.url, Uri::from_static("http://127.0.0.1:3000"));
     assert_eq!(
         dev.store.database_url.expose(),

@@ -1,0 +1,3 @@
+module idemproxy.example/createorder
+
+go 1.19
