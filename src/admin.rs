@@ -13,8 +13,8 @@
 //! operators and start-up gates that do want the store.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE};
@@ -114,32 +114,75 @@ impl StoreHealth {
     }
 }
 
+/// The configuration's last (re)load, for the `/readyz` body.
+pub struct ReloadStatus {
+    last: Mutex<(SystemTime, String)>,
+}
+
+impl ReloadStatus {
+    /// Loaded at start, now.
+    pub fn started() -> Self {
+        ReloadStatus {
+            last: Mutex::new((SystemTime::now(), "loaded at start".to_string())),
+        }
+    }
+
+    /// Records a reload now: its result (the metric's label) and, after
+    /// it, a short note (never a value: it could be a secret).
+    pub fn record(&self, result: &str, note: &str) {
+        let text = if note.is_empty() {
+            format!("reload {result}")
+        } else {
+            format!("reload {result} ({note})")
+        };
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = (SystemTime::now(), text);
+    }
+
+    /// `config: reload ok at Wed, 02 Dec 2026 21:39:02 GMT`.
+    pub fn describe(&self) -> String {
+        let (at, text) = self
+            .last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        format!("config: {text} at {}", httpdate::fmt_http_date(at))
+    }
+}
+
 /// State the admin endpoints report.
 pub struct Admin {
     health: Arc<StoreHealth>,
     metrics: Arc<Metrics>,
     lifecycle: Lifecycle,
+    reloads: Arc<ReloadStatus>,
 }
 
 impl Admin {
     /// Wires the admin endpoints.
-    pub fn new(health: Arc<StoreHealth>, metrics: Arc<Metrics>, lifecycle: Lifecycle) -> Self {
+    pub fn new(
+        health: Arc<StoreHealth>,
+        metrics: Arc<Metrics>,
+        lifecycle: Lifecycle,
+        reloads: Arc<ReloadStatus>,
+    ) -> Self {
         Admin {
             health,
             metrics,
             lifecycle,
+            reloads,
         }
     }
 
     fn readiness(&self) -> (StatusCode, String) {
         let store = self.health.last().describe();
+        let config = self.reloads.describe();
         if self.lifecycle.draining() {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: draining\n{store}\n"),
+                format!("not ready: draining\n{store}\n{config}\n"),
             );
         }
-        (StatusCode::OK, format!("ready\n{store}\n"))
+        (StatusCode::OK, format!("ready\n{store}\n{config}\n"))
     }
 
     async fn store_readiness(&self) -> (StatusCode, String) {
