@@ -116,36 +116,49 @@ impl StoreHealth {
 
 /// The configuration's last (re)load, for the `/readyz` body.
 pub struct ReloadStatus {
-    last: Mutex<(SystemTime, String)>,
+    loaded_at: SystemTime,
+    /// The last reload: when, its result, a short note.
+    last: Mutex<Option<(SystemTime, String, String)>>,
 }
 
 impl ReloadStatus {
     /// Loaded at start, now.
     pub fn started() -> Self {
         ReloadStatus {
-            last: Mutex::new((SystemTime::now(), "loaded at start".to_string())),
+            loaded_at: SystemTime::now(),
+            last: Mutex::new(None),
         }
     }
 
-    /// Records a reload now: its result (the metric's label) and, after
-    /// it, a short note (never a value: it could be a secret).
+    /// Records a reload now: its result (the metric's label) and a short
+    /// note (never a value: it could be a secret).
     pub fn record(&self, result: &str, note: &str) {
-        let text = if note.is_empty() {
-            format!("reload {result}")
-        } else {
-            format!("reload {result} ({note})")
-        };
-        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = (SystemTime::now(), text);
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((SystemTime::now(), result.to_string(), note.to_string()));
     }
 
-    /// `config: reload ok at Wed, 02 Dec 2026 21:39:02 GMT`.
+    /// `config: reload ok at Wed, 02 Dec 2026 21:39:02 GMT`, or when it was
+    /// loaded if it never was reloaded.
     pub fn describe(&self) -> String {
-        let (at, text) = self
+        let last = self
             .last
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        format!("config: {text} at {}", httpdate::fmt_http_date(at))
+        match last {
+            None => format!(
+                "config: loaded at {}; not reloaded since",
+                httpdate::fmt_http_date(self.loaded_at)
+            ),
+            Some((at, result, note)) => {
+                let at = httpdate::fmt_http_date(at);
+                if note.is_empty() {
+                    format!("config: reload {result} at {at}")
+                } else {
+                    format!("config: reload {result} at {at} ({note})")
+                }
+            }
+        }
     }
 }
 
