@@ -258,6 +258,9 @@ pub(super) struct EnvLayer {
     pub(super) problems: Vec<Problem>,
 }
 
+/// A variable that sets a key, and its value.
+type Setter = (String, String);
+
 /// A problem with a variable.
 fn problem(var: &str, key: &str, message: impl Into<String>) -> Problem {
     Problem {
@@ -271,8 +274,8 @@ fn problem(var: &str, key: &str, message: impl Into<String>) -> Problem {
 /// Reads `env` into a layer; `_FILE` variables are read now.
 pub(super) fn layer(env: &Environment) -> EnvLayer {
     let mut problems = Vec::new();
-    // Dotted key → every (variable, value) that sets it.
-    let mut found: BTreeMap<String, (&EnvKey, Vec<(String, String)>)> = BTreeMap::new();
+    // Dotted key → its key and every (variable, value) that sets it.
+    let mut found: BTreeMap<String, (&EnvKey, Vec<Setter>)> = BTreeMap::new();
     for (name, value) in &env.vars {
         let (env_key, from_file) = match lookup(name) {
             Some(found) => found,

@@ -487,7 +487,8 @@ impl fmt::Display for ConfigError {
 /// error).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
-    /// The file name (or `environment/flags` for an override).
+    /// The file name, or the environment variable (`IDEMPROXY_STORE_POOL_SIZE`)
+    /// or flag (`--database-url`) the value came from.
     pub origin: String,
     /// 1-based line in the file, when known.
     pub line: Option<usize>,

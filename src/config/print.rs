@@ -48,7 +48,7 @@ fn duration(value: Duration) -> String {
 fn size(bytes: u64) -> String {
     const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
     for (unit, name) in UNITS {
-        if bytes > 0 && bytes % unit == 0 {
+        if bytes > 0 && bytes.is_multiple_of(unit) {
             return text(format!("{}{name}", bytes / unit));
         }
     }

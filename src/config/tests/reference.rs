@@ -125,9 +125,36 @@ fn docs_describe_every_key_with_its_default() {
         if section == "Section" || section.starts_with('-') || key.contains(' ') {
             continue; // header, separator, prose rows
         }
+        if section == "Variable" || section.starts_with("IDEMPROXY_") {
+            continue; // the environment's table, checked below
+        }
         assert!(
             keys.iter().any(|(s, k)| s == section && k == key),
             "docs/configuration.md documents unknown key {section}.{key}"
         );
     }
+}
+
+#[test]
+fn docs_name_the_variable_of_every_key() {
+    let rows = doc_rows();
+    let keys = crate::config::env_keys();
+    for key in keys {
+        assert!(
+            rows.iter()
+                .any(|(var, dotted, _)| *var == key.var() && *dotted == key.dotted()),
+            "docs/configuration.md has no row `{}` | `{}`",
+            key.var(),
+            key.dotted()
+        );
+    }
+    let documented = rows
+        .iter()
+        .filter(|(var, _, _)| var.starts_with("IDEMPROXY_"))
+        .count();
+    assert_eq!(
+        documented,
+        keys.len(),
+        "a row names a variable that does not exist"
+    );
 }
