@@ -3,7 +3,8 @@
 //! request in flight finishes under the configuration it started with; a
 //! change that needs a restart is reported and kept as it runs while the
 //! rest applies; a bad file is refused and the running configuration kept;
-//! the environment still beats the file after a reload.
+//! the environment still beats the file after a reload; a SIGHUP while
+//! draining is ignored.
 
 mod support;
 
@@ -114,7 +115,7 @@ async fn sighup_applies_to_new_requests_while_one_in_flight_keeps_its_configurat
 }
 
 #[tokio::test]
-async fn sighup_refuses_a_bad_file_and_reports_a_restart_only_change() {
+async fn sighup_refuses_a_bad_file_reports_a_restart_only_change_and_waits_out_a_drain() {
     let dir = TempDir::new("reload-bad");
     let db = TestDb::new().await;
     let upstream = UpstreamProc::start(&dir).await;
@@ -125,7 +126,7 @@ async fn sighup_refuses_a_bad_file_and_reports_a_restart_only_change() {
     config
         .env
         .push(("IDEMPROXY_DEFAULTS_KEY".into(), "required".into()));
-    let proxy = ProxyProc::start(&dir, "reload-bad", &config).await;
+    let mut proxy = ProxyProc::start(&dir, "reload-bad", &config).await;
     let client = HttpClient::new();
     let keyless = || async {
         client
@@ -194,4 +195,43 @@ async fn sighup_refuses_a_bad_file_and_reports_a_restart_only_change() {
     assert_eq!(big.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", big.text());
     // The environment still beats the file.
     assert_eq!(keyless().await, StatusCode::BAD_REQUEST);
+
+    // SIGHUP while draining is ignored (logged), and the drain goes on: the
+    // request in flight is answered, the process exits 0.
+    let slow = {
+        let req = post(&proxy, "/v1/orders", "slow-drain").header(SLOW, "2000");
+        let client = client.clone();
+        tokio::spawn(async move { client.send(req).await })
+    };
+    upstream
+        .wait_executions("slow-drain", 1, Duration::from_secs(10))
+        .await;
+    proxy.proc.signal("TERM");
+    eventually(Duration::from_secs(10), "/readyz says draining", || async {
+        proxy
+            .readyz()
+            .await
+            .is_some_and(|r| r.status == StatusCode::SERVICE_UNAVAILABLE)
+    })
+    .await;
+    proxy.proc.signal("HUP");
+    eventually(
+        Duration::from_secs(10),
+        "the reload skipped while draining, in the log",
+        || async {
+            proxy
+                .proc
+                .log_text()
+                .contains("configuration reload skipped: SIGHUP while draining")
+        },
+    )
+    .await;
+    let drained = slow.await.unwrap();
+    assert_eq!(drained.status, StatusCode::CREATED, "{}", drained.text());
+    let status = proxy
+        .proc
+        .wait_exit(Duration::from_secs(15))
+        .await
+        .expect("the process exits after the drain");
+    assert!(status.success(), "{status:?}\n{}", proxy.proc.log_tail(20));
 }
