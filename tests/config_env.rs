@@ -275,3 +275,32 @@ async fn serve_runs_from_the_environment_alone_and_a_flag_beats_it() {
         "the skipped reload was logged\n{stderr}"
     );
 }
+
+/// `docs/check-config-print.txt` (written by `scripts/config-print-example`)
+/// is what the binary prints today.
+#[tokio::test]
+async fn the_documented_print_sample_is_current() {
+    let dir = TempDir::new("config-env-doc");
+    let secret = dir.join("database-url");
+    write(
+        &secret,
+        "postgres://idemproxy:example-password@db.internal:5432/idemproxy\n",
+    );
+    let secret = secret.display().to_string();
+    let out = idemproxy(
+        &["check-config", "--config", "config/example.toml", "--print"],
+        &[
+            ("IDEMPROXY_UPSTREAM_URL", "http://orders.internal:8000"),
+            ("IDEMPROXY_STORE_DATABASE_URL_FILE", secret.as_str()),
+            ("IDEMPROXY_DEFAULTS_RELEASE_ON", "429,503"),
+        ],
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.both());
+    let committed = include_str!("../docs/check-config-print.txt");
+    assert_eq!(
+        out.stdout, committed,
+        "docs/check-config-print.txt is stale: run scripts/config-print-example"
+    );
+    assert!(!committed.contains("example-password"));
+}
