@@ -13,8 +13,8 @@
 //! operators and start-up gates that do want the store.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE};
@@ -114,32 +114,88 @@ impl StoreHealth {
     }
 }
 
+/// The configuration's last (re)load, for the `/readyz` body.
+pub struct ReloadStatus {
+    loaded_at: SystemTime,
+    /// The last reload: when, its result, a short note.
+    last: Mutex<Option<(SystemTime, String, String)>>,
+}
+
+impl ReloadStatus {
+    /// Loaded at start, now.
+    pub fn started() -> Self {
+        ReloadStatus {
+            loaded_at: SystemTime::now(),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// Records a reload now: its result (the metric's label) and a short
+    /// note (never a value: it could be a secret).
+    pub fn record(&self, result: &str, note: &str) {
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((SystemTime::now(), result.to_string(), note.to_string()));
+    }
+
+    /// `config: reload ok at Wed, 02 Dec 2026 21:39:02 GMT`, or when it was
+    /// loaded if it never was reloaded.
+    pub fn describe(&self) -> String {
+        let last = self
+            .last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match last {
+            None => format!(
+                "config: loaded at {}; not reloaded since",
+                httpdate::fmt_http_date(self.loaded_at)
+            ),
+            Some((at, result, note)) => {
+                let at = httpdate::fmt_http_date(at);
+                if note.is_empty() {
+                    format!("config: reload {result} at {at}")
+                } else {
+                    format!("config: reload {result} at {at} ({note})")
+                }
+            }
+        }
+    }
+}
+
 /// State the admin endpoints report.
 pub struct Admin {
     health: Arc<StoreHealth>,
     metrics: Arc<Metrics>,
     lifecycle: Lifecycle,
+    reloads: Arc<ReloadStatus>,
 }
 
 impl Admin {
     /// Wires the admin endpoints.
-    pub fn new(health: Arc<StoreHealth>, metrics: Arc<Metrics>, lifecycle: Lifecycle) -> Self {
+    pub fn new(
+        health: Arc<StoreHealth>,
+        metrics: Arc<Metrics>,
+        lifecycle: Lifecycle,
+        reloads: Arc<ReloadStatus>,
+    ) -> Self {
         Admin {
             health,
             metrics,
             lifecycle,
+            reloads,
         }
     }
 
     fn readiness(&self) -> (StatusCode, String) {
         let store = self.health.last().describe();
+        let config = self.reloads.describe();
         if self.lifecycle.draining() {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: draining\n{store}\n"),
+                format!("not ready: draining\n{store}\n{config}\n"),
             );
         }
-        (StatusCode::OK, format!("ready\n{store}\n"))
+        (StatusCode::OK, format!("ready\n{store}\n{config}\n"))
     }
 
     async fn store_readiness(&self) -> (StatusCode, String) {

@@ -7,24 +7,28 @@
 //! belongs to the [`Lifecycle`], which drains them on shutdown.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use anyhow::Context;
+use http::{Request, Response};
+use hyper::body::Incoming;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
-use crate::admin::{Admin, StoreHealth};
+use crate::admin::{Admin, ReloadStatus, StoreHealth};
 use crate::backoff::Backoff;
 use crate::cache::ResponseCache;
-use crate::config::Config;
+use crate::config::{self, Config, ConfigError};
 use crate::lease::Renewer;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::proxy::upstream::Upstream;
-use crate::proxy::Proxy;
+use crate::proxy::{ClientInfo, Proxy, ProxyBody};
+use crate::server::{ConnectionLimits, Handler};
 use crate::store::{notify, Store};
 use crate::waiters::Waiters;
 use crate::{server, sweeper};
@@ -58,6 +62,256 @@ pub struct Running {
     lifecycle: Lifecycle,
     grace: Duration,
     proxy_task: JoinHandle<()>,
+    reloader: Reloader,
+}
+
+/// The proxy the listener serves. A reload replaces it whole; a request
+/// keeps the one it started with (its routes, policies, upstream and
+/// timeouts) until it ends, owned work included.
+///
+/// A `RwLock<Arc<_>>` rather than a crate such as `arc-swap`: the read
+/// lock is held only to clone the `Arc` (never across an await), writers
+/// are rare signals, and it costs no dependency.
+pub struct LiveProxy {
+    current: RwLock<Arc<Proxy>>,
+}
+
+impl LiveProxy {
+    fn new(proxy: Arc<Proxy>) -> Self {
+        LiveProxy {
+            current: RwLock::new(proxy),
+        }
+    }
+
+    /// The proxy new requests get.
+    pub fn current(&self) -> Arc<Proxy> {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn replace(&self, proxy: Arc<Proxy>) {
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = proxy;
+    }
+}
+
+impl Handler for LiveProxy {
+    fn limits(&self) -> ConnectionLimits {
+        // Restart-only: every proxy a reload builds has the same.
+        self.current().limits()
+    }
+
+    async fn call(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Response<ProxyBody> {
+        let proxy = self.current();
+        proxy.call(req, client).await
+    }
+}
+
+/// What a reload did: the label of `idemproxy_config_reloads_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadResult {
+    /// The new configuration applies to new requests.
+    Ok,
+    /// It applies, except the changes that need a restart (kept as they
+    /// run, each logged).
+    RestartRequired,
+    /// Refused (invalid, or the upstream client could not be built): the
+    /// running configuration is kept.
+    Error,
+    /// Nothing to do: no configuration file, or draining.
+    Skipped,
+}
+
+impl ReloadResult {
+    /// The metric's label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadResult::Ok => "ok",
+            ReloadResult::RestartRequired => "restart_required",
+            ReloadResult::Error => "error",
+            ReloadResult::Skipped => "skipped",
+        }
+    }
+}
+
+/// What a reload needs: the live proxy and the parts every proxy shares.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct Reloader {
+    live: Arc<LiveProxy>,
+    /// One reload at a time: concurrent signals are applied in turn.
+    lock: Arc<tokio::sync::Mutex<()>>,
+    status: Arc<ReloadStatus>,
+    parts: Parts,
+}
+
+/// The parts every proxy shares, whatever its configuration.
+#[derive(Clone)]
+struct Parts {
+    store: Store,
+    metrics: Arc<Metrics>,
+    waiters: Arc<Waiters>,
+    renewer: Arc<Renewer>,
+    cache: Arc<ResponseCache>,
+    lifecycle: Lifecycle,
+    /// Whether the LISTEN task runs (wake-ups for `wait`).
+    listening: Arc<AtomicBool>,
+}
+
+impl Parts {
+    fn proxy(&self, config: Arc<Config>, upstream: Upstream) -> Proxy {
+        Proxy::new(
+            config,
+            self.store.clone(),
+            upstream,
+            self.metrics.clone(),
+            self.waiters.clone(),
+            self.renewer.clone(),
+            self.cache.clone(),
+            self.lifecycle.clone(),
+        )
+    }
+
+    /// Starts the one LISTEN connection of the process if `config` needs
+    /// it (a route that waits, or the response cache) and it is not
+    /// running: wake-ups for waiting duplicates, invalidations for the
+    /// cache.
+    fn listen_if_needed(&self, config: &Config) {
+        let needed = config.routes.iter().any(|r| !r.policy.wait.is_zero())
+            || config.store.response_cache > 0;
+        if !needed || self.listening.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (w1, c1, w2, c2) = (
+            self.waiters.clone(),
+            self.cache.clone(),
+            self.waiters.clone(),
+            self.cache.clone(),
+        );
+        self.lifecycle.spawn_background(notify::listen(
+            self.store.clone(),
+            move |id| {
+                c1.invalidate(id);
+                w1.wake(id);
+            },
+            move || {
+                c2.clear();
+                w2.wake_all();
+            },
+            self.lifecycle.stop_token(),
+        ));
+    }
+}
+
+impl Reloader {
+    /// Applies a configuration read again (SIGHUP): `None` when there is no
+    /// file to read. See `config::reload` for what applies and what needs
+    /// a restart. Logged, counted, and shown on `/readyz`.
+    pub async fn reload(&self, fresh: Option<Result<Config, ConfigError>>) -> ReloadResult {
+        let _one_at_a_time = self.lock.lock().await;
+        let (result, note) = self.apply(fresh);
+        self.parts.metrics.config_reload(result.as_str());
+        self.status.record(result.as_str(), &note);
+        result
+    }
+
+    /// Counts a reload that was not attempted (the signal came while
+    /// draining).
+    pub fn skip(&self, why: &str) {
+        warn!("configuration reload skipped: {why}");
+        self.parts
+            .metrics
+            .config_reload(ReloadResult::Skipped.as_str());
+        self.status.record(ReloadResult::Skipped.as_str(), why);
+    }
+
+    fn apply(&self, fresh: Option<Result<Config, ConfigError>>) -> (ReloadResult, String) {
+        if self.parts.lifecycle.draining() {
+            warn!("configuration reload skipped: draining");
+            return (ReloadResult::Skipped, "draining".into());
+        }
+        let fresh = match fresh {
+            None => {
+                warn!("configuration reload skipped: serve runs without a configuration file, so there is nothing to read again");
+                return (ReloadResult::Skipped, "no configuration file".into());
+            }
+            Some(Err(e)) => {
+                for problem in &e.problems {
+                    error!(%problem, "configuration reload refused");
+                }
+                error!(
+                    problems = e.problems.len(),
+                    "configuration reload refused: the running configuration is kept"
+                );
+                return (
+                    ReloadResult::Error,
+                    format!(
+                        "{} problem(s); the running configuration is kept",
+                        e.problems.len()
+                    ),
+                );
+            }
+            Some(Ok(config)) => config,
+        };
+        let current = self.live.current();
+        let running = current.config();
+        let changes = config::restart_only_changes(running, &fresh);
+        for (key, kept, wanted) in &changes {
+            warn!(key = %key, running = %kept, new = %wanted, "configuration reload: this change needs a restart; the running value is kept");
+        }
+        let applied = fresh.keeping_restart_only(running);
+        let upstream = match Upstream::new(&applied.upstream) {
+            Ok(upstream) => upstream,
+            Err(e) => {
+                error!(error = %format!("{e:#}"), "configuration reload refused: the upstream client cannot be built; the running configuration is kept");
+                return (
+                    ReloadResult::Error,
+                    "upstream client; the running configuration is kept".into(),
+                );
+            }
+        };
+        for warning in applied.warnings() {
+            warn!("{warning}");
+        }
+        let config = Arc::new(applied);
+        self.parts
+            .renewer
+            .tick_at_most(crate::lease::tick_for(shortest_lease(&config)));
+        self.parts.listen_if_needed(&config);
+        let routes = config.routes.len();
+        self.live
+            .replace(Arc::new(self.parts.proxy(config, upstream)));
+        if changes.is_empty() {
+            info!(routes, "configuration reloaded: new requests use it");
+            (ReloadResult::Ok, String::new())
+        } else {
+            info!(
+                routes,
+                needing_restart = changes.len(),
+                "configuration reloaded but for changes that need a restart: new requests use it"
+            );
+            let keys: Vec<&str> = changes.iter().map(|(k, _, _)| k.as_str()).collect();
+            (
+                ReloadResult::RestartRequired,
+                format!("needs a restart: {}", keys.join(", ")),
+            )
+        }
+    }
+}
+
+/// The shortest lease of any route.
+fn shortest_lease(config: &Config) -> Duration {
+    config
+        .routes
+        .iter()
+        .map(|r| r.policy.lease)
+        .min()
+        .unwrap_or(Duration::from_secs(10))
 }
 
 impl Running {
@@ -78,6 +332,17 @@ impl Running {
     /// The process's lifecycle (tests watch its work).
     pub fn lifecycle(&self) -> &Lifecycle {
         &self.lifecycle
+    }
+
+    /// What reloads the configuration (it outlives the drain's start, so
+    /// a signal during the drain can still be counted).
+    pub fn reloader(&self) -> Reloader {
+        self.reloader.clone()
+    }
+
+    /// The proxy (and so the configuration) new requests get.
+    pub fn proxy(&self) -> Arc<Proxy> {
+        self.reloader.live.current()
     }
 }
 
@@ -129,55 +394,37 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         config.store.response_cache_ttl,
         config.store.timeout,
     ));
-    if config.routes.iter().any(|r| !r.policy.wait.is_zero()) || config.store.response_cache > 0 {
-        // One listening connection per process: wake-ups for waiting
-        // duplicates, invalidations for the response cache.
-        let (w1, c1, w2, c2) = (
-            waiters.clone(),
-            cache.clone(),
-            waiters.clone(),
-            cache.clone(),
-        );
-        lifecycle.spawn_background(notify::listen(
-            store.clone(),
-            move |id| {
-                c1.invalidate(id);
-                w1.wake(id);
-            },
-            move || {
-                c2.clear();
-                w2.wake_all();
-            },
-            stop.clone(),
-        ));
-    }
-    let shortest_lease = config
-        .routes
-        .iter()
-        .map(|r| r.policy.lease)
-        .min()
-        .unwrap_or(Duration::from_secs(10));
     let renewer = Arc::new(Renewer::new(
         store.clone(),
         metrics.clone(),
-        crate::lease::tick_for(shortest_lease),
+        crate::lease::tick_for(shortest_lease(&config)),
     ));
     // Renewals go on through the drain: owned calls still need them.
     lifecycle.spawn_background(renewer.clone().run(stop.clone()));
-    let proxy = Arc::new(Proxy::new(
-        config.clone(),
+    let parts = Parts {
         store,
-        upstream,
-        metrics.clone(),
+        metrics: metrics.clone(),
         waiters,
         renewer,
         cache,
-        lifecycle.clone(),
-    ));
+        lifecycle: lifecycle.clone(),
+        listening: Arc::new(AtomicBool::new(false)),
+    };
+    parts.listen_if_needed(&config);
+    let live = Arc::new(LiveProxy::new(Arc::new(
+        parts.proxy(config.clone(), upstream),
+    )));
+    let status = Arc::new(ReloadStatus::started());
+    let reloader = Reloader {
+        live: live.clone(),
+        lock: Arc::new(tokio::sync::Mutex::new(())),
+        status: status.clone(),
+        parts,
+    };
     let drain = lifecycle.drain_token();
     let proxy_task = tokio::spawn(server::serve_with(
         proxy_listener,
-        proxy,
+        live,
         server::ListenerOptions {
             header_read_timeout: config.server.header_read_timeout,
             tls,
@@ -185,7 +432,12 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         cancelled(drain),
         config.server.shutdown_grace,
     ));
-    let admin = Arc::new(Admin::new(health, metrics.clone(), lifecycle.clone()));
+    let admin = Arc::new(Admin::new(
+        health,
+        metrics.clone(),
+        lifecycle.clone(),
+        status,
+    ));
     lifecycle.spawn_background(server::serve(
         admin_listener,
         admin,
@@ -201,6 +453,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         lifecycle,
         grace: config.server.shutdown_grace,
         proxy_task,
+        reloader,
     })
 }
 

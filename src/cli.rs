@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::app::{self, ServeOptions};
-use crate::config::{self, Config, Overrides, Secret};
+use crate::config::{self, Config, ConfigError, Environment, Overrides, Secret};
 use crate::idempotency::TenantId;
 use crate::metrics::Metrics;
 use crate::store::Store;
@@ -44,10 +44,14 @@ pub enum LogFormat {
 #[derive(Debug, Args)]
 pub struct Common {
     /// Configuration file (TOML). Without it, the built-in defaults apply.
+    /// Every key of [server], [upstream], [store], [sweeper] and [defaults]
+    /// can also be set as IDEMPROXY_<SECTION>_<KEY> (or, read from a file,
+    /// IDEMPROXY_<SECTION>_<KEY>_FILE), which beats the file.
     #[arg(long, short = 'c', env = "IDEMPROXY_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// PostgreSQL URL; overrides IDEMPROXY_DATABASE_URL and store.database_url.
-    /// Prefer the environment variable: flags are visible in process listings.
+    /// Prefer the environment (IDEMPROXY_DATABASE_URL_FILE for a secret):
+    /// flags are visible in process listings.
     #[arg(long, value_name = "URL", hide_env_values = true)]
     pub database_url: Option<String>,
 }
@@ -95,9 +99,16 @@ pub enum Command {
         dry_run: bool,
     },
     /// Validate the configuration: exit 0 if valid, else list every problem and exit 1.
+    ///
+    /// A problem names the file and line, or the environment variable or
+    /// flag, its value came from.
     CheckConfig {
         #[command(flatten)]
         common: Common,
+        /// Also print the effective configuration (file, environment and
+        /// flags applied) with where each value came from; secrets redacted.
+        #[arg(long)]
+        print: bool,
     },
     /// Run one pass of the retention sweeper and print how many records it deleted.
     Sweep {
@@ -174,10 +185,12 @@ pub enum KeysCommand {
     },
 }
 
-/// `keys list --state`.
+/// `keys list --state`: the states as the records name them (`in_flight`);
+/// `in-flight` is accepted too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StateFilter {
     /// Claimed, upstream call in flight (or its owner died).
+    #[value(name = "in_flight", alias = "in-flight")]
     InFlight,
     /// Response stored.
     Completed,
@@ -207,15 +220,99 @@ impl KeyTarget {
     }
 }
 
-fn load_config(common: &Common, mut flags: Overrides) -> anyhow::Result<Config> {
+fn load_config(common: &Common, flags: Overrides) -> anyhow::Result<Config> {
+    let flags = with_database_url(common, flags);
+    config::load_layers(
+        common.config.as_deref(),
+        &Environment::from_process(),
+        &flags,
+    )
+    .map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))
+}
+
+/// The flags, with `--database-url`.
+fn with_database_url(common: &Common, mut flags: Overrides) -> Overrides {
     flags.database_url = common.database_url.clone().map(Secret::new);
-    let env = config::env_overrides(|k| std::env::var(k).ok());
-    let overrides = Overrides::merge(env, flags);
-    let result = match &common.config {
-        Some(path) => config::load(path, &overrides),
-        None => config::parse("", "<defaults>", &overrides),
-    };
-    result.map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))
+    flags
+}
+
+/// SIGHUP, or nothing where there is no such signal.
+struct Hangups {
+    #[cfg(unix)]
+    signal: Option<tokio::signal::unix::Signal>,
+}
+
+impl Hangups {
+    /// Installs the handler (before anything else can take time, so that
+    /// an early SIGHUP does not kill the process).
+    fn install() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let signal = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+            Ok(Hangups {
+                signal: Some(signal),
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Hangups {})
+    }
+
+    /// The next SIGHUP.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        if let Some(signal) = &mut self.signal {
+            if signal.recv().await.is_some() {
+                return;
+            }
+            self.signal = None;
+        }
+        std::future::pending::<()>().await;
+    }
+}
+
+/// `serve`: run, reload on SIGHUP, drain on SIGTERM.
+async fn serve(
+    common: Common,
+    flags: Overrides,
+    options: ServeOptions,
+) -> anyhow::Result<ExitCode> {
+    let mut hangups = Hangups::install()?;
+    // Captured once: a reload re-applies the same variables (files named
+    // by `_FILE` variables are read again), and flags still beat the file.
+    let env = Environment::from_process();
+    let flags = with_database_url(&common, flags);
+    let path = common.config.clone();
+    let read =
+        || -> Result<Config, ConfigError> { config::load_layers(path.as_deref(), &env, &flags) };
+    let config = read().map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))?;
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
+    let running = app::start(config, options).await?;
+    let reloader = running.reloader();
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            () = hangups.next() => {
+                tracing::info!(file = ?path, "SIGHUP: reloading the configuration");
+                reloader.reload(path.as_ref().map(|_| read())).await;
+            }
+        }
+    }
+    tracing::info!("shutting down: draining in-flight requests");
+    let drain = running.shutdown();
+    tokio::pin!(drain);
+    loop {
+        tokio::select! {
+            _ = &mut drain => break,
+            () = hangups.next() => reloader.skip("SIGHUP while draining"),
+        }
+    }
+    tracing::info!("stopped");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Runs the parsed command line.
@@ -227,30 +324,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             admin_listen,
             no_migrate,
         } => {
-            let config = load_config(
-                &common,
+            serve(
+                common,
                 Overrides {
                     listen,
                     admin_listen,
                     ..Overrides::default()
                 },
-            )?;
-            for warning in config.warnings() {
-                tracing::warn!("{warning}");
-            }
-            let running = app::start(
-                config,
                 ServeOptions {
                     migrate: !no_migrate,
                     sweeper: true,
                 },
             )
-            .await?;
-            shutdown_signal().await;
-            tracing::info!("shutting down: draining in-flight requests");
-            running.shutdown().await;
-            tracing::info!("stopped");
-            Ok(ExitCode::SUCCESS)
+            .await
         }
         Command::Migrate {
             common,
@@ -270,23 +356,35 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::CheckConfig { common } => match load_config(&common, Overrides::default()) {
-            Ok(config) => {
-                println!(
-                    "configuration is valid: {} route(s), upstream {}",
-                    config.routes.len(),
-                    config.upstream.url
-                );
-                for warning in config.warnings() {
-                    println!("warning: {warning}");
+        Command::CheckConfig { common, print } => {
+            match load_config(&common, Overrides::default()) {
+                Ok(config) => {
+                    if print {
+                        let flags = with_database_url(&common, Overrides::default());
+                        let text = config::explain(
+                            common.config.as_deref(),
+                            &Environment::from_process(),
+                            &flags,
+                        )
+                        .map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))?;
+                        println!("{text}");
+                    }
+                    println!(
+                        "configuration is valid: {} route(s), upstream {}",
+                        config.routes.len(),
+                        config.upstream.url
+                    );
+                    for warning in config.warnings() {
+                        println!("warning: {warning}");
+                    }
+                    Ok(ExitCode::SUCCESS)
                 }
-                Ok(ExitCode::SUCCESS)
+                Err(e) => {
+                    eprintln!("{e}");
+                    Ok(ExitCode::FAILURE)
+                }
             }
-            Err(e) => {
-                eprintln!("{e}");
-                Ok(ExitCode::FAILURE)
-            }
-        },
+        }
         Command::Sweep { common } => {
             let config = load_config(&common, Overrides::default())?;
             let store = Store::new(&config.store)?;

@@ -52,7 +52,11 @@ pub struct Renewer {
     metrics: Arc<Metrics>,
     entries: Mutex<HashMap<u64, Entry>>,
     next_id: AtomicU64,
-    tick: Duration,
+    /// The tick, in microseconds: a reload may shorten it (see
+    /// [`Renewer::tick_at_most`]).
+    tick_micros: AtomicU64,
+    /// Wakes the ticker when the tick is shortened.
+    tick_shortened: tokio::sync::Notify,
 }
 
 /// A claim held by the renewer; leaves it on drop.
@@ -83,7 +87,23 @@ impl Renewer {
             metrics,
             entries: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
-            tick,
+            tick_micros: AtomicU64::new(micros(tick)),
+            tick_shortened: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// How often it looks for due claims now.
+    pub fn tick(&self) -> Duration {
+        Duration::from_micros(self.tick_micros.load(Ordering::Relaxed))
+    }
+
+    /// Ticks at least every `tick` from now on (a reload that brings a
+    /// shorter lease). It never ticks slower: claims taken under the
+    /// previous configuration may still be in flight with their leases.
+    pub fn tick_at_most(&self, tick: Duration) {
+        let before = self.tick_micros.fetch_min(micros(tick), Ordering::Relaxed);
+        if micros(tick) < before {
+            self.tick_shortened.notify_one();
         }
     }
 
@@ -176,17 +196,31 @@ impl Renewer {
 
     /// Ticks until shutdown.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
-        let mut ticker = tokio::time::interval(self.tick);
+        let mut ticker = tokio::time::interval(self.tick());
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = ticker.tick() => {
                     self.renew_due().await;
                 }
+                () = self.tick_shortened.notified() => {
+                    // Claims due sooner than the old tick are renewed now.
+                    self.renew_due().await;
+                }
                 () = stop.cancelled() => return,
+            }
+            if ticker.period() != self.tick() {
+                ticker = tokio::time::interval(self.tick());
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                // An interval's first tick is immediate: the renewal just ran.
+                ticker.reset();
             }
         }
     }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
 }
 
 #[cfg(test)]

@@ -97,6 +97,7 @@ pub struct Metrics {
     largest_batch: Family<OpLabels, Gauge>,
     store_up: Gauge,
     lost_leases: Counter,
+    config_reloads: Family<ResultLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -215,7 +216,9 @@ impl Metrics {
             "Always 1; the labels name the version and the commit this binary was built from",
             build_info,
         );
+        let config_reloads = config_reloads(&mut registry);
         Metrics {
+            config_reloads,
             lost_leases,
             store_up,
             batches,
@@ -323,6 +326,34 @@ impl Metrics {
         // Writing to a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The results of `idemproxy_config_reloads_total` (SIGHUP): applied;
+/// applied except changes that need a restart; refused (the running
+/// configuration kept); not attempted (no file, or draining).
+pub const RELOAD_RESULTS: [&str; 4] = ["ok", "restart_required", "error", "skipped"];
+
+fn config_reloads(registry: &mut Registry) -> Family<ResultLabels, Counter> {
+    let reloads = Family::<ResultLabels, Counter>::default();
+    for result in RELOAD_RESULTS {
+        // Every result shows, at 0, before the first reload.
+        let _ = reloads.get_or_create(&ResultLabels { result });
+    }
+    registry.register(
+        "config_reloads",
+        "Configuration reloads (SIGHUP) by result: ok, restart_required (applied but for changes that need a restart), error (refused; the running configuration kept), skipped (no configuration file, or draining)",
+        reloads.clone(),
+    );
+    reloads
+}
+
+impl Metrics {
+    /// Counts a reload; `result` is one of [`RELOAD_RESULTS`].
+    pub fn config_reload(&self, result: &'static str) {
+        self.config_reloads
+            .get_or_create(&ResultLabels { result })
+            .inc();
     }
 }
 

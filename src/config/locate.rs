@@ -202,3 +202,18 @@ pub(super) fn line_of(text: &str, offset: usize) -> usize {
         .count()
         + 1
 }
+
+/// The 1-based line of `section.key` in `text`, or of `route[index].key`
+/// when `index` is given; `None` when the file does not set it.
+pub(super) fn line_of_key(
+    text: &str,
+    section: &str,
+    index: Option<usize>,
+    key: &str,
+) -> Option<usize> {
+    let document = document(text)?;
+    let mut path = vec![Segment::Key(section.to_string())];
+    path.extend(index.map(Segment::Index));
+    path.push(Segment::Key(key.to_string()));
+    span_of(&document, &path).map(|span| line_of(text, span.start))
+}

@@ -22,7 +22,10 @@
 //! Only a syntax error, or a value of the wrong TOML type, stops before step
 //! 3; it is then reported with the unknown keys found so far.
 //!
-//! Precedence: flags > environment (`IDEMPROXY_DATABASE_URL`) > file.
+//! Precedence: flags > environment > file. The environment (see `env`:
+//! `IDEMPROXY_<SECTION>_<KEY>`, `_FILE` variants) is one more layer of raw
+//! structs laid over the file's before step 3, so its values meet the same
+//! rules; a problem with one names its variable.
 //!
 //! Every default lives in one place, `defaults.toml` (`BUILTIN_DEFAULTS`),
 //! written in the file's own syntax and validated by the same code; the file
@@ -30,6 +33,7 @@
 //! `docs/configuration.md` is the reference; a test keeps its table in step
 //! with the raw structs (their keys and their defaults).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -40,8 +44,11 @@ use http::{HeaderName, Method, StatusCode, Uri};
 use crate::idempotency::fingerprint::FingerprintMode;
 
 mod check;
+mod env;
 mod locate;
+mod print;
 mod raw;
+mod reload;
 mod rules;
 #[cfg(test)]
 mod tests;
@@ -284,24 +291,28 @@ impl fmt::Display for Secret {
 // ---------------------------------------------------------------------------
 // Public entry points.
 
-/// The environment variable that overrides `store.database_url`.
-pub const DATABASE_URL_ENV: &str = "IDEMPROXY_DATABASE_URL";
+pub use env::{EnvKey, Environment, Kind, DATABASE_URL_ENV, FILE_SUFFIX};
+pub use reload::{restart_only, restart_only_changes};
 
-/// Values that come from outside the file (environment, flags).
+/// Every key that can be set from the environment, with its variable.
+pub fn env_keys() -> &'static [EnvKey] {
+    env::keys()
+}
+
+/// Values given as command-line flags (they beat the environment and the
+/// file).
 #[derive(Debug, Default, Clone)]
 pub struct Overrides {
-    /// Replaces `store.database_url`.
+    /// Replaces `store.database_url` (`--database-url`).
     pub database_url: Option<Secret>,
-    /// Replaces `server.listen`.
+    /// Replaces `server.listen` (`--listen`).
     pub listen: Option<SocketAddr>,
-    /// Replaces `server.admin_listen`.
+    /// Replaces `server.admin_listen` (`--admin-listen`).
     pub admin_listen: Option<SocketAddr>,
 }
 
 impl Overrides {
     /// Layers two sets of overrides: per field, `later` wins where it is set.
-    /// Call it as `Overrides::merge(env, flags)` so that flags beat the
-    /// environment.
     pub fn merge(earlier: Overrides, later: Overrides) -> Overrides {
         Overrides {
             database_url: later.database_url.or(earlier.database_url),
@@ -309,44 +320,87 @@ impl Overrides {
             admin_listen: later.admin_listen.or(earlier.admin_listen),
         }
     }
-}
 
-/// Reads the environment variables the config honours
-/// (`IDEMPROXY_DATABASE_URL`) through a closure so tests never touch the real
-/// environment.
-///
-/// A variable that is set but empty still overrides (and then fails
-/// validation): silently falling back to the file's URL when a secret failed
-/// to mount would connect to the wrong database.
-pub fn env_overrides(get: impl Fn(&str) -> Option<String>) -> Overrides {
-    Overrides {
-        database_url: get(DATABASE_URL_ENV).map(Secret::new),
-        ..Overrides::default()
+    /// Dotted key → the flag, for every key set.
+    fn origins(&self) -> impl Iterator<Item = (String, String)> {
+        [
+            (
+                "store.database_url",
+                "--database-url",
+                self.database_url.is_some(),
+            ),
+            ("server.listen", "--listen", self.listen.is_some()),
+            (
+                "server.admin_listen",
+                "--admin-listen",
+                self.admin_listen.is_some(),
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, _, set)| *set)
+        .map(|(key, flag, _)| (key.to_string(), flag.to_string()))
     }
 }
 
-/// Parse + validate. `origin` is the file name used in messages.
-///
-/// Env overrides are applied first, then flag overrides (flags win): pass
-/// them merged by the caller via [`Overrides::merge`]`(env, flags)`. An
-/// overridden key's file value is not used, so it is not checked either.
+/// Parse + validate the file's text with flag overrides, ignoring the
+/// environment. `origin` is the file name used in messages.
 ///
 /// Every problem is reported at once: unknown keys anywhere and every value
 /// that breaks a rule. Only a syntax error, or a value of the wrong TOML type
 /// (`pool_size = "x"`), stops the parse early; it is then reported with the
 /// unknown keys found so far.
 pub fn parse(text: &str, origin: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
-    let builtin = builtin_config()?;
-    let raw = locate::deserialize(text, origin)?;
-    check::check(origin, text, raw, Some(&builtin), overrides)
+    parse_layers(text, origin, &Environment::default(), overrides)
 }
 
-/// Reads the file then [`parse`]. A missing/unreadable file is a
-/// [`ConfigError`] too.
+/// Parse + validate the file's text, the environment laid over it, then
+/// the flags: flags > environment > file > built-in defaults. An overridden
+/// key's lower value is not used, so it is not checked either.
+pub fn parse_layers(
+    text: &str,
+    origin: &str,
+    env: &Environment,
+    flags: &Overrides,
+) -> Result<Config, ConfigError> {
+    resolve(text, origin, env, flags).map(|resolved| resolved.config)
+}
+
+/// Reads the file then [`parse`] (the environment ignored). A
+/// missing/unreadable file is a [`ConfigError`] too.
 pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
+    load_layers(Some(path), &Environment::default(), overrides)
+}
+
+/// Reads the file (none: the built-in defaults) then [`parse_layers`].
+pub fn load_layers(
+    path: Option<&Path>,
+    env: &Environment,
+    flags: &Overrides,
+) -> Result<Config, ConfigError> {
+    let (text, origin) = read(path)?;
+    parse_layers(&text, &origin, env, flags)
+}
+
+/// What `check-config --print` shows: the effective configuration as TOML,
+/// every value followed by where it came from, secrets redacted.
+pub fn explain(
+    path: Option<&Path>,
+    env: &Environment,
+    flags: &Overrides,
+) -> Result<String, ConfigError> {
+    let (text, origin) = read(path)?;
+    let resolved = resolve(&text, &origin, env, flags)?;
+    Ok(print::render(&resolved))
+}
+
+/// The file's text and the name problems give it.
+fn read(path: Option<&Path>) -> Result<(String, String), ConfigError> {
+    let Some(path) = path else {
+        return Ok((String::new(), NO_FILE_ORIGIN.to_string()));
+    };
     let origin = path.display().to_string();
     match std::fs::read_to_string(path) {
-        Ok(text) => parse(&text, &origin, overrides),
+        Ok(text) => Ok((text, origin)),
         Err(err) => Err(ConfigError {
             problems: vec![Problem {
                 origin,
@@ -356,6 +410,45 @@ pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
             }],
         }),
     }
+}
+
+/// A configuration with what it was made of.
+struct Resolved {
+    config: Config,
+    /// The file's text and name.
+    text: String,
+    origin: String,
+    /// Dotted key → the variable or flag that set it.
+    origins: BTreeMap<String, String>,
+}
+
+/// The layers, checked: built-in defaults < file < environment < flags.
+fn resolve(
+    text: &str,
+    origin: &str,
+    env: &Environment,
+    flags: &Overrides,
+) -> Result<Resolved, ConfigError> {
+    let builtin = builtin_config()?;
+    let layer = env::layer(env);
+    let mut origins = layer.sources;
+    origins.extend(flags.origins());
+    let mut file = match locate::deserialize(text, origin) {
+        Ok(file) => file,
+        Err(mut err) => {
+            err.problems.extend(layer.problems);
+            return Err(ConfigError::sorted(err.problems));
+        }
+    };
+    file.config.overlay(layer.raw);
+    file.unknown_keys.extend(layer.problems);
+    let config = check::check(origin, text, file, Some(&builtin), flags, &origins)?;
+    Ok(Resolved {
+        config,
+        text: text.to_string(),
+        origin: origin.to_string(),
+        origins,
+    })
 }
 
 /// Everything wrong with a configuration, in file order.
@@ -394,7 +487,8 @@ impl fmt::Display for ConfigError {
 /// error).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
-    /// The file name (or `environment/flags` for an override).
+    /// The file name, or the environment variable (`IDEMPROXY_STORE_POOL_SIZE`)
+    /// or flag (`--database-url`) the value came from.
     pub origin: String,
     /// 1-based line in the file, when known.
     pub line: Option<usize>,
@@ -418,8 +512,8 @@ impl fmt::Display for Problem {
     }
 }
 
-/// The origin named in problems about values that came from an override.
-const OVERRIDE_ORIGIN: &str = "environment/flags";
+/// The origin named when `serve` runs without a file.
+const NO_FILE_ORIGIN: &str = "<defaults>";
 /// The origin named in problems about the built-in defaults (a bug).
 const BUILTIN_ORIGIN: &str = "built-in defaults";
 
@@ -445,5 +539,6 @@ fn builtin_config() -> Result<Config, ConfigError> {
         raw,
         None,
         &Overrides::default(),
+        &BTreeMap::new(),
     )
 }

@@ -15,6 +15,27 @@
 use serde::Deserialize;
 use toml::Spanned;
 
+/// Declares one section's raw struct, and its `overlay`: a layer (the
+/// environment) replaces every key it sets. Written once, so a new key
+/// cannot be forgotten by the overlay.
+macro_rules! section {
+    ($(#[$meta:meta])* struct $name:ident { $( $(#[doc = $doc:literal])* $key:ident: $ty:ty, )* }) => {
+        $(#[$meta])*
+        #[derive(Default, Deserialize)]
+        #[serde(default)]
+        pub(super) struct $name {
+            $( $(#[doc = $doc])* pub(super) $key: Option<Spanned<$ty>>, )*
+        }
+
+        impl $name {
+            /// Every key `layer` sets replaces this one's.
+            pub(super) fn overlay(&mut self, layer: $name) {
+                $( if layer.$key.is_some() { self.$key = layer.$key; } )*
+            }
+        }
+    };
+}
+
 /// The whole file; every section is optional.
 #[derive(Default, Deserialize)]
 #[serde(default)]
@@ -33,85 +54,97 @@ pub(super) struct RawConfig {
     pub(super) route: Vec<RawRoute>,
 }
 
+impl RawConfig {
+    /// The sections `layer` (the environment) sets keys of replace this
+    /// one's keys; routes stay the file's.
+    pub(super) fn overlay(&mut self, layer: RawConfig) {
+        self.server.overlay(layer.server);
+        self.upstream.overlay(layer.upstream);
+        self.store.overlay(layer.store);
+        self.sweeper.overlay(layer.sweeper);
+        self.defaults.overlay(layer.defaults);
+    }
+}
+
+section! {
 /// `[server]`.
-#[derive(Default, Deserialize)]
-#[serde(default)]
-pub(super) struct RawServer {
+struct RawServer {
     /// Address of the proxy listener, `IP:port`.
-    pub(super) listen: Option<Spanned<String>>,
+    listen: String,
     /// Address of the admin listener (`/healthz`, `/readyz`, `/metrics`), `IP:port`; must differ from `listen`.
-    pub(super) admin_listen: Option<Spanned<String>>,
+    admin_listen: String,
     /// Largest keyed request body (keyed bodies are buffered to be fingerprinted; larger ones get 413). Pass-through requests are streamed.
-    pub(super) max_request_body: Option<Spanned<String>>,
+    max_request_body: String,
     /// How long in-flight requests may take to finish after SIGTERM.
-    pub(super) shutdown_grace: Option<Spanned<String>>,
+    shutdown_grace: String,
     /// How long a client may take to send a request's headers; greater than 0.
-    pub(super) header_read_timeout: Option<Spanned<String>>,
+    header_read_timeout: String,
     /// PEM file with the certificate chain (leaf first) of the proxy listener; with `tls_key_file`, the listener speaks TLS only (HTTP/1.1 and h2 by ALPN) and forwards `X-Forwarded-Proto: https`. Read at start.
-    pub(super) tls_cert_file: Option<Spanned<String>>,
+    tls_cert_file: String,
     /// PEM file with the private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert_file`; set both or neither.
-    pub(super) tls_key_file: Option<Spanned<String>>,
+    tls_key_file: String,
     /// Most duplicates that may wait for their in-flight originals at once (see `wait`); past it a duplicate gets 409 at once; at least 0.
-    pub(super) max_waiters: Option<Spanned<i64>>,
+    max_waiters: i64,
     /// How long a keyed request's whole body may take to arrive after its headers; a body still incomplete then gets 408 and nothing is stored or forwarded; greater than 0.
-    pub(super) body_read_timeout: Option<Spanned<String>>,
+    body_read_timeout: String,
     /// Most client connections open at once on the proxy listener; a connection past it is closed as soon as it is accepted; 1 to 1000000.
-    pub(super) max_connections: Option<Spanned<i64>>,
+    max_connections: i64,
     /// Most concurrent streams (requests) on one h2 connection, advertised to the client; 1 to 10000.
-    pub(super) h2_max_concurrent_streams: Option<Spanned<i64>>,
+    h2_max_concurrent_streams: i64,
     /// How long a client connection (HTTP/1.1 or h2) may stay open with no request in progress before it is closed gracefully (h2: GOAWAY); greater than 0.
-    pub(super) idle_timeout: Option<Spanned<String>>,
+    idle_timeout: String,
+}
 }
 
+section! {
 /// `[upstream]`.
-#[derive(Default, Deserialize)]
-#[serde(default)]
-pub(super) struct RawUpstream {
+struct RawUpstream {
     /// Base URL of the upstream: absolute `http://` or `https://` with a host, optionally with a path prefix that is prepended to every forwarded path; no query, fragment or credentials.
-    pub(super) url: Option<Spanned<String>>,
+    url: String,
     /// Bound on establishing a TCP connection to the upstream; greater than 0.
-    pub(super) connect_timeout: Option<Spanned<String>>,
+    connect_timeout: String,
     /// Bound on a whole upstream exchange (request sent to response headers); greater than 0.
-    pub(super) timeout: Option<Spanned<String>>,
+    timeout: String,
     /// PEM file of CA certificates trusted for an `https://` upstream, in addition to the system store (`/etc/ssl/certs`, `SSL_CERT_FILE`); only with an `https://` URL. Read at start.
-    pub(super) ca_file: Option<Spanned<String>>,
+    ca_file: String,
+}
 }
 
+section! {
 /// `[store]`.
-#[derive(Default, Deserialize)]
-#[serde(default)]
-pub(super) struct RawStore {
+struct RawStore {
     /// PostgreSQL URL (`postgres://` or `postgresql://`) or `key=value` connection string. A secret: never logged nor echoed in errors. `IDEMPROXY_DATABASE_URL` overrides it.
-    pub(super) database_url: Option<Spanned<String>>,
+    database_url: String,
     /// Maximum number of pooled connections; at least 3 (one each for the claim and completion batch workers, and one that lease renewals, takeovers and reads can always get). A replica holds at most `pool_size` + 1 connections (the extra one listens for notifications).
-    pub(super) pool_size: Option<Spanned<i64>>,
+    pool_size: i64,
     /// Bound on any one store operation, pool wait included; greater than 0.
-    pub(super) timeout: Option<Spanned<String>>,
+    timeout: String,
     /// When the store fails: `"reject"` (503 + `Retry-After`, nothing forwarded) or `"pass_through"` (forward unprotected, loudly).
-    pub(super) on_store_error: Option<Spanned<String>>,
+    on_store_error: String,
     /// PEM file of CA certificates that verify the database server's certificate under `sslmode=verify-ca`/`verify-full` (or `require`, which then verifies the chain, as libpq does); without it those modes use the system store. The URL's `sslrootcert` may name it instead. Read at start.
-    pub(super) ca_file: Option<Spanned<String>>,
+    ca_file: String,
     /// Memory for completed responses replayed without a database round trip (they are immutable until they expire); `"0"` turns the cache off. Bounds the cache, not the process.
-    pub(super) response_cache: Option<Spanned<String>>,
+    response_cache: String,
     /// Longest time a cached response is replayed without asking the database: an operator's `keys release --force` of a completed key reaches every replica within it; greater than 0.
-    pub(super) response_cache_ttl: Option<Spanned<String>>,
+    response_cache_ttl: String,
     /// Use named prepared statements, cached per connection (one round trip per operation either way). Set `false` behind a pooler in transaction or statement mode (PgBouncer before 1.21), which cannot keep a named statement between transactions.
-    pub(super) prepared_statements: Option<Spanned<bool>>,
+    prepared_statements: bool,
     /// A direct (session-mode) URL used only for `LISTEN` and for migrations, which need a session; unset: `database_url`. Set it when `database_url` points at a pooler in transaction mode. A secret, like `database_url`.
-    pub(super) listen_url: Option<Spanned<String>>,
+    listen_url: String,
+}
 }
 
+section! {
 /// `[sweeper]` (an extension to DESIGN.md §3).
-#[derive(Default, Deserialize)]
-#[serde(default)]
-pub(super) struct RawSweeper {
+struct RawSweeper {
     /// Pause between sweeper passes; greater than 0.
-    pub(super) interval: Option<Spanned<String>>,
+    interval: String,
     /// Rows deleted per statement (bounded batches keep transactions short); at least 1.
-    pub(super) batch_size: Option<Spanned<i64>>,
+    batch_size: i64,
     /// Pause between the batches of a pass, which paces the deletion of a
     /// large backlog; 0 for none.
-    pub(super) pause: Option<Spanned<String>>,
+    pause: String,
+}
 }
 
 /// Declares the policy keys once. They make up `[defaults]` and are repeated,
@@ -142,6 +175,13 @@ macro_rules! policy_keys {
             /// Store `sha256:` and the hex SHA-256 of the tenant header value, never the value (for secrets such as `Authorization`); plain tenants may not start with `sha256:`, so the two kinds never meet. Needs `tenant_header`.
             pub(super) tenant_hash: Option<Spanned<bool>>,
             $( $(#[doc = $doc])* pub(super) $key: Option<Spanned<$ty>>, )*
+        }
+
+        impl RawPolicy {
+            /// Every key `layer` sets replaces this one's.
+            pub(super) fn overlay(&mut self, layer: RawPolicy) {
+                $( if layer.$key.is_some() { self.$key = layer.$key; } )*
+            }
         }
 
         impl RawRoute {

@@ -291,6 +291,7 @@ impl Replica {
                 proc,
                 listen,
                 admin,
+                config_path: path,
             },
         };
         replica.wait_ready().await;

@@ -29,6 +29,8 @@ pub struct ProxyConfig {
     pub routes: String,
     /// The child's `RUST_LOG` (`info` unless a test turns it up).
     pub rust_log: String,
+    /// More environment variables for the child (`IDEMPROXY_<SECTION>_<KEY>`).
+    pub env: Vec<(String, String)>,
 }
 
 impl ProxyConfig {
@@ -45,6 +47,7 @@ impl ProxyConfig {
             store: String::new(),
             routes: String::new(),
             rust_log: "info".into(),
+            env: Vec::new(),
         }
     }
     /// Behind a pooler in transaction mode: no named prepared statements,
@@ -119,6 +122,8 @@ pub struct ProxyProc {
     pub proc: Proc,
     pub listen: SocketAddr,
     pub admin: SocketAddr,
+    /// Its configuration file.
+    pub config_path: std::path::PathBuf,
 }
 
 impl ProxyProc {
@@ -139,12 +144,22 @@ impl ProxyProc {
             dir.join(&format!("{name}.log")),
         )
         .env("RUST_LOG", &config.rust_log);
+        for (k, v) in &config.env {
+            proc = proc.env(k, v);
+        }
         proc.spawn(false);
         ProxyProc {
             proc,
             listen,
             admin,
+            config_path: path,
         }
+    }
+
+    /// Writes `config` (on the same ports) over its configuration file, for
+    /// a reload.
+    pub fn rewrite_config(&self, config: &ProxyConfig) {
+        std::fs::write(&self.config_path, config.toml(self.listen, self.admin)).unwrap();
     }
 
     /// Starts the process and waits until `/readyz/store` answers 200 (the

@@ -12,6 +12,7 @@
 //! field, names its key and inherits the same field of the base, all from
 //! one identifier.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use toml::Spanned;
@@ -96,17 +97,23 @@ mod store;
 mod sweeper;
 mod upstream;
 
-/// The typed configuration of one deserialised text: `raw` layered over
-/// `base` (the built-in defaults; `None` while validating those), then the
-/// overrides. Every problem, the unknown keys included, or the config.
+/// The typed configuration of one deserialised text: `raw` (the file, with
+/// the environment laid over it) layered over `base` (the built-in
+/// defaults; `None` while validating those), then the overrides. Every
+/// problem, the unknown keys included, or the config.
+///
+/// `origins` names, by dotted key, the variable or flag a value came from
+/// instead of the file: a problem with it names that, not a line.
 pub(super) fn check(
     origin: &str,
     text: &str,
     raw: Deserialized,
     base: Option<&Config>,
     overrides: &Overrides,
+    origins: &BTreeMap<String, String>,
 ) -> Result<Config, ConfigError> {
     let mut checker = Checker::new(origin, text);
+    checker.origins = origins.clone();
     checker.problems.extend(raw.unknown_keys);
     let config = checker.validate(&raw.config, base, overrides);
     checker.finish(config)
@@ -145,6 +152,8 @@ struct Checker<'a> {
     origin: &'a str,
     text: &'a str,
     problems: Vec<Problem>,
+    /// Dotted key → the variable or flag that set it.
+    origins: BTreeMap<String, String>,
 }
 
 impl<'a> Checker<'a> {
@@ -153,6 +162,7 @@ impl<'a> Checker<'a> {
             origin,
             text,
             problems: Vec::new(),
+            origins: BTreeMap::new(),
         }
     }
 
@@ -175,6 +185,20 @@ impl<'a> Checker<'a> {
     }
 
     fn report(&mut self, key: &str, span: Option<Range<usize>>, message: impl Into<String>) {
+        // A list item (`defaults.methods[1]`) came from where its list did.
+        let whole = match key.rfind('[') {
+            Some(at) if key.ends_with(']') && !key[at..].contains('.') => &key[..at],
+            _ => key,
+        };
+        if let Some(origin) = self.origins.get(whole) {
+            self.problems.push(Problem {
+                origin: origin.clone(),
+                line: None,
+                key: key.to_string(),
+                message: message.into(),
+            });
+            return;
+        }
         self.problems.push(Problem {
             origin: self.origin.to_string(),
             line: span.map(|span| line_of(self.text, span.start)),

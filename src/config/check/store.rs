@@ -2,9 +2,7 @@
 
 use super::Checker;
 use crate::config::raw::RawStore;
-use crate::config::{
-    rules, OnStoreError, Overrides, Problem, Secret, StoreConfig, OVERRIDE_ORIGIN,
-};
+use crate::config::{rules, OnStoreError, Overrides, Secret, StoreConfig};
 
 impl Checker<'_> {
     pub(super) fn store(
@@ -18,12 +16,8 @@ impl Checker<'_> {
             Some(url) => match rules::database_url(url.expose()) {
                 Ok(()) => Some(url.clone()),
                 Err(message) => {
-                    self.problems.push(Problem {
-                        origin: OVERRIDE_ORIGIN.to_string(),
-                        line: None,
-                        key: key!(store.database_url).to_string(),
-                        message: message.to_string(),
-                    });
+                    // Named after the flag (see `Overrides::origins`).
+                    self.report(key!(store.database_url), None, message);
                     None
                 }
             },

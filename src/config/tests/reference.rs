@@ -1,8 +1,6 @@
 //! `docs/configuration.md` and `defaults.toml` against the raw structs:
 //! every key documented with its default, every default set.
 
-use serde::Deserialize;
-
 use super::*;
 use crate::config::raw::{
     RawConfig, RawPolicy, RawRoute, RawServer, RawStore, RawSweeper, RawUpstream,
@@ -10,46 +8,7 @@ use crate::config::raw::{
 
 // --- the reference in docs/configuration.md ------------------------
 
-/// The field names of `T`, straight from its derived `Deserialize`.
-fn fields_of<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
-    #[derive(Debug)]
-    struct Fields(&'static [&'static str]);
-    impl fmt::Display for Fields {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            write!(f, "{:?}", self.0)
-        }
-    }
-    impl std::error::Error for Fields {}
-    impl serde::de::Error for Fields {
-        fn custom<M: fmt::Display>(_: M) -> Self {
-            Fields(&[])
-        }
-    }
-    struct Probe;
-    impl<'de> serde::Deserializer<'de> for Probe {
-        type Error = Fields;
-        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Fields> {
-            Err(Fields(&[]))
-        }
-        fn deserialize_struct<V: serde::de::Visitor<'de>>(
-            self,
-            _: &'static str,
-            fields: &'static [&'static str],
-            _: V,
-        ) -> Result<V::Value, Fields> {
-            Err(Fields(fields))
-        }
-        serde::forward_to_deserialize_any! {
-            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
-            bytes byte_buf option unit unit_struct newtype_struct seq tuple
-            tuple_struct map enum identifier ignored_any
-        }
-    }
-    match T::deserialize(Probe) {
-        Err(Fields(fields)) => fields,
-        Ok(_) => &[],
-    }
-}
+use crate::config::env::fields_of;
 
 /// Every `(section, key)` of the file, derived from the raw structs.
 /// Route keys are its own; its `[defaults]` keys are documented once.
@@ -166,9 +125,36 @@ fn docs_describe_every_key_with_its_default() {
         if section == "Section" || section.starts_with('-') || key.contains(' ') {
             continue; // header, separator, prose rows
         }
+        if section == "Variable" || section.starts_with("IDEMPROXY_") {
+            continue; // the environment's table, checked below
+        }
         assert!(
             keys.iter().any(|(s, k)| s == section && k == key),
             "docs/configuration.md documents unknown key {section}.{key}"
         );
     }
+}
+
+#[test]
+fn docs_name_the_variable_of_every_key() {
+    let rows = doc_rows();
+    let keys = crate::config::env_keys();
+    for key in keys {
+        assert!(
+            rows.iter()
+                .any(|(var, dotted, _)| *var == key.var() && *dotted == key.dotted()),
+            "docs/configuration.md has no row `{}` | `{}`",
+            key.var(),
+            key.dotted()
+        );
+    }
+    let documented = rows
+        .iter()
+        .filter(|(var, _, _)| var.starts_with("IDEMPROXY_"))
+        .count();
+    assert_eq!(
+        documented,
+        keys.len(),
+        "a row names a variable that does not exist"
+    );
 }
