@@ -512,10 +512,19 @@ fn image_is_static_scratch_non_root_and_exposes_both_ports() {
     assert_ne!(uid, 0);
     assert!(runtime.contains(&"EXPOSE 8080 9090"));
     assert!(runtime.iter().any(|l| l.starts_with("ENTRYPOINT [\"/")));
+    for target in ["x86_64-unknown-linux-musl", "aarch64-unknown-linux-musl"] {
+        assert!(dockerfile.contains(target), "a static build for {target}");
+    }
     assert!(
-        dockerfile.contains("x86_64-unknown-linux-musl"),
-        "a static build"
+        dockerfile.contains("FROM --platform=$BUILDPLATFORM ") && dockerfile.contains("ARG TARGETARCH"),
+        "the builder cross-compiles on the build machine for TARGETARCH"
     );
+    for label in ["source", "documentation", "version", "revision"] {
+        assert!(
+            dockerfile.contains(&format!("org.opencontainers.image.{label}=")),
+            "OCI label {label}"
+        );
+    }
     assert!(dockerfile.contains("FROM ${BINARY_SOURCE} AS binaries"));
 }
 
@@ -542,7 +551,7 @@ fn grafana_dashboard_queries_only_metrics_the_proxy_exposes() {
     let dashboard: serde_json::Value = serde_json::from_str(&read(&path)).unwrap();
     let m = Metrics::new();
     // Give every family a series so that it is rendered.
-    m.request("all", Outcome::Replayed);
+    m.request("all", Outcome::Replayed, 200, Duration::from_millis(3));
     m.upstream(Duration::from_millis(3));
     m.store("claim", Duration::from_millis(1));
     m.renewal("ok");
