@@ -37,6 +37,8 @@ ARG BINARY_SOURCE=builder
 # those parts and links.
 #
 #   docker buildx build --platform linux/amd64,linux/arm64 -t idemproxy .
+#
+# (The cross compilers are those of an amd64 build machine.)
 FROM --platform=$BUILDPLATFORM docker.io/library/rust:${RUST_VERSION}-slim-bookworm AS builder
 ARG TARGETARCH
 # The commit `idemproxy --version` names: .git stays out of the build
@@ -47,12 +49,12 @@ ENV CC_x86_64_unknown_linux_musl=musl-gcc \
     CARGO_TARGET_AARCH64_UNKNOWN_LINUX_MUSL_LINKER=aarch64-linux-gnu-gcc
 # hadolint ignore=DL3008
 RUN case "${TARGETARCH:-amd64}" in \
-        amd64) echo x86_64-unknown-linux-musl >/rust-target; cc=musl-tools ;; \
-        arm64) echo aarch64-unknown-linux-musl >/rust-target; cc="gcc-aarch64-linux-gnu libc6-dev-arm64-cross" ;; \
+        amd64) echo x86_64-unknown-linux-musl >/rust-target; set -- musl-tools ;; \
+        arm64) echo aarch64-unknown-linux-musl >/rust-target; set -- gcc-aarch64-linux-gnu libc6-dev-arm64-cross ;; \
         *) echo "unsupported TARGETARCH ${TARGETARCH}" >&2; exit 1 ;; \
     esac \
     && apt-get update \
-    && apt-get install -y --no-install-recommends ${cc} \
+    && apt-get install -y --no-install-recommends "$@" \
     && rm -rf /var/lib/apt/lists/* \
     && rustup target add "$(cat /rust-target)"
 WORKDIR /src
