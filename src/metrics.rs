@@ -701,9 +701,13 @@ mod tests {
                 .trim()
                 .to_owned()
         };
-        let request = r#"idemproxy_request_duration_seconds_bucket{route="legacy",outcome="claimed",le="#;
-        assert_eq!(line(&format!(r#"{request}"30.0"}}"#)), "0");
-        assert_eq!(line(&format!(r#"{request}"37.5"}}"#)), "1");
+        let request = |le: &str| {
+            format!(
+                r#"idemproxy_request_duration_seconds_bucket{{le="{le}",route="legacy",outcome="claimed"}}"#
+            )
+        };
+        assert_eq!(line(&request("30.0")), "0");
+        assert_eq!(line(&request("37.5")), "1");
         let upstream = r#"idemproxy_upstream_duration_seconds_bucket{le="#;
         assert_eq!(line(&format!(r#"{upstream}"30.0"}}"#)), "0");
         assert_eq!(line(&format!(r#"{upstream}"37.5"}}"#)), "1");

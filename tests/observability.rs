@@ -186,7 +186,7 @@ async fn metrics_show_the_request_histogram_past_the_timeout_build_info_and_only
     // Buckets reach past upstream.timeout (3 s): 3, 3.75 and 6 s.
     for le in ["2.5", "3.0", "3.75", "6.0"] {
         let series = format!(
-            r#"idemproxy_request_duration_seconds_bucket{{route="default",outcome="claimed",le="{le}"}} 1"#
+            r#"idemproxy_request_duration_seconds_bucket{{le="{le}",route="default",outcome="claimed"}} 1"#
         );
         assert!(text.contains(&series), "{series} missing:\n{text}");
     }

@@ -190,9 +190,9 @@ impl AccessLine {
             duration_ms = self.started.elapsed().as_secs_f64() * 1000.0,
             store_ms = self.timings.map(|t| t.0),
             upstream_ms = self.timings.map(|t| t.1),
-            request_id,
+            request_id = %request_id,
             client = %self.client,
-            user_agent = user_agent.as_deref(),
+            user_agent = user_agent.as_deref().map(tracing::field::display),
             request_bytes = self.request_bytes.get(),
             response_bytes,
             "request"
