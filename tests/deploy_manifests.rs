@@ -452,7 +452,24 @@ fn compose_starts_idemproxy_after_healthy_dependencies() {
         .filter_map(Value::as_str)
         .collect();
     assert_eq!(test[..3], ["CMD", "/usr/local/bin/idemproxy", "health"]);
-    assert!(test.last().unwrap().ends_with(":9090/readyz"), "{test:?}");
+    // The admin port of config/compose.toml, probed and published; not
+    // 9090, where a Prometheus beside it on the host listens.
+    let config = config::load(&root().join("config/compose.toml"), &Overrides::default())
+        .unwrap_or_else(|e| panic!("config/compose.toml:\n{e}"));
+    let admin = config.server.admin_listen.port();
+    assert_ne!(admin, 9090);
+    assert!(
+        test.last().unwrap().ends_with(&format!(":{admin}/readyz")),
+        "{test:?}"
+    );
+    let published: Vec<&str> = list_at(proxy, "ports")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        published.contains(&format!("127.0.0.1:{admin}:{admin}").as_str()),
+        "{published:?}"
+    );
 }
 
 #[test]

@@ -120,7 +120,8 @@ key = "required"
     // A replay answers with the retry's id, not the stored one.
     let replay = client
         .send(
-            Req::post(&proxy.url("/v1/payments"))
+            // The same request (the query is part of it).
+            Req::post(&proxy.url("/v1/payments?token=secret-in-query"))
                 .key("pay-1")
                 .json(PAY)
                 .header("x-request-id", "retry-2"),
