@@ -198,7 +198,11 @@ struct DurationHistograms {
 impl MetricConstructor<Histogram> for DurationHistograms {
     fn new_metric(&self) -> Histogram {
         let b = self.buckets.get_or_init(DurationBuckets::default);
-        let bounds = if self.request { &b.request } else { &b.upstream };
+        let bounds = if self.request {
+            &b.request
+        } else {
+            &b.upstream
+        };
         Histogram::new(bounds.iter().copied())
     }
 }
@@ -312,9 +316,8 @@ impl Metrics {
             "Duration of upstream exchanges",
             upstream_duration.clone(),
         );
-        let store_duration = Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(
-            store_histogram,
-        );
+        let store_duration =
+            Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(store_histogram);
         registry.register(
             "store_duration_seconds",
             "Duration of store operations by operation",
@@ -627,8 +630,7 @@ impl Metrics {
 
     /// Sets the number of duplicates waiting now.
     pub fn waiters(&self, waiting: usize) {
-        self.waiters
-            .set(i64::try_from(waiting).unwrap_or(i64::MAX));
+        self.waiters.set(i64::try_from(waiting).unwrap_or(i64::MAX));
     }
 
     /// Installs the function that reads state owned elsewhere at each
@@ -683,7 +685,10 @@ mod tests {
             .iter()
             .map(|s| STATUS_CLASSES[status_class(*s)])
             .collect();
-        assert_eq!(classes, ["1xx", "2xx", "3xx", "4xx", "5xx", "other", "other"]);
+        assert_eq!(
+            classes,
+            ["1xx", "2xx", "3xx", "4xx", "5xx", "other", "other"]
+        );
     }
 
     #[test]
@@ -691,7 +696,12 @@ mod tests {
         let m = Metrics::new();
         m.configure_durations(Duration::from_secs(30), Duration::from_secs(5));
         // A call cut by the 30 s timeout, plus store round trips.
-        m.request("legacy", Outcome::Claimed, 504, Duration::from_millis(30_200));
+        m.request(
+            "legacy",
+            Outcome::Claimed,
+            504,
+            Duration::from_millis(30_200),
+        );
         m.upstream(Duration::from_millis(30_001));
         let text = m.render();
         let line = |series: &str| {
@@ -765,9 +775,15 @@ mod tests {
             ("idemproxy_cache_evictions_total", "1"),
             ("idemproxy_cache_bytes", "4096"),
         ] {
-            assert!(text.contains(&format!("{line} {value}\n")), "{line}:\n{text}");
+            assert!(
+                text.contains(&format!("{line} {value}\n")),
+                "{line}:\n{text}"
+            );
         }
-        assert!(text.contains("# TYPE idemproxy_store_batches counter"), "{text}");
+        assert!(
+            text.contains("# TYPE idemproxy_store_batches counter"),
+            "{text}"
+        );
     }
 
     #[test]

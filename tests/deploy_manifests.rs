@@ -254,7 +254,11 @@ fn service_targets_the_proxy_port_not_the_app() {
     )
     .and_then(Value::as_mapping)
     .expect("pod labels");
-    for service in m.of_kind("Service") {
+    // Every Service but the example overlay's own PostgreSQL.
+    let services = m
+        .of_kind("Service")
+        .filter(|s| str_at(s, "metadata.name") != "postgres");
+    for service in services {
         let selector = at(service, "spec.selector")
             .and_then(Value::as_mapping)
             .expect("a selector");
@@ -533,7 +537,8 @@ fn image_is_static_scratch_non_root_and_exposes_both_ports() {
         assert!(dockerfile.contains(target), "a static build for {target}");
     }
     assert!(
-        dockerfile.contains("FROM --platform=$BUILDPLATFORM ") && dockerfile.contains("ARG TARGETARCH"),
+        dockerfile.contains("FROM --platform=$BUILDPLATFORM ")
+            && dockerfile.contains("ARG TARGETARCH"),
         "the builder cross-compiles on the build machine for TARGETARCH"
     );
     for label in ["source", "documentation", "version", "revision"] {
@@ -678,13 +683,26 @@ fn the_component_adds_a_native_sidecar_with_a_startup_probe() {
     let a = adoption();
     let sidecar = named(list_at(&a.pod, "initContainers"), "idemproxy")
         .expect("idemproxy among the initContainers");
-    assert_eq!(str_at(sidecar, "restartPolicy"), "Always", "a native sidecar");
+    assert_eq!(
+        str_at(sidecar, "restartPolicy"),
+        "Always",
+        "a native sidecar"
+    );
     let config: Config = config::parse(&a.toml, "component idemproxy.toml", &Overrides::default())
         .unwrap_or_else(|e| panic!("the component's TOML:\n{e}"));
     let admin = i64::from(config.server.admin_listen.port());
-    assert_eq!(http_probe(sidecar, "startupProbe"), ("/readyz".into(), admin));
-    assert_eq!(http_probe(sidecar, "livenessProbe"), ("/healthz".into(), admin));
-    assert_eq!(at(&a.pod_labels, "idemproxy/inject").and_then(Value::as_str), Some("true"));
+    assert_eq!(
+        http_probe(sidecar, "startupProbe"),
+        ("/readyz".into(), admin)
+    );
+    assert_eq!(
+        http_probe(sidecar, "livenessProbe"),
+        ("/healthz".into(), admin)
+    );
+    assert_eq!(
+        at(&a.pod_labels, "idemproxy/inject").and_then(Value::as_str),
+        Some("true")
+    );
     // The app containers stay as they were, beside it.
     assert!(
         a.apps.iter().all(|c| c != "idemproxy"),
@@ -703,7 +721,10 @@ fn the_component_moves_the_service_to_the_proxy_and_fences_the_app() {
         .unwrap_or_else(|e| panic!("the component's TOML:\n{e}"));
     let proxy = i64::from(config.server.listen.port());
     let admin = i64::from(config.server.admin_listen.port());
-    assert_eq!(a.target_port, proxy, "the Service sends clients to the proxy");
+    assert_eq!(
+        a.target_port, proxy,
+        "the Service sends clients to the proxy"
+    );
     let np = &a.network_policy;
     assert_eq!(
         at(np, "spec.podSelector.matchLabels.idemproxy/inject").and_then(Value::as_str),
@@ -761,7 +782,12 @@ fn documented_alerts() -> Vec<(String, String, String, String)> {
                 .split(" | ")
                 .map(|c| c.trim().trim_matches('`').to_owned())
                 .collect();
-            (cells[0].clone(), cells[1].clone(), cells[2].clone(), cells[3].clone())
+            (
+                cells[0].clone(),
+                cells[1].clone(),
+                cells[2].clone(),
+                cells[3].clone(),
+            )
         })
         .collect()
 }
@@ -811,7 +837,11 @@ fn the_prometheus_rule_carries_the_documented_alerts() {
 #[test]
 fn the_pod_monitor_scrapes_the_injected_pods_admin_port() {
     let dir = root().join("deploy/kubernetes/components");
-    let pm = documents(&read(&dir.join("monitoring/podmonitor.yaml")), "podmonitor.yaml").remove(0);
+    let pm = documents(
+        &read(&dir.join("monitoring/podmonitor.yaml")),
+        "podmonitor.yaml",
+    )
+    .remove(0);
     assert_eq!(
         at(&pm, "spec.selector.matchLabels.idemproxy/inject").and_then(Value::as_str),
         Some("true")
@@ -819,7 +849,11 @@ fn the_pod_monitor_scrapes_the_injected_pods_admin_port() {
     let endpoint = &list_at(&pm, "spec.podMetricsEndpoints")[0];
     assert_eq!(str_at(endpoint, "path"), "/metrics");
     let patch = documents(&read(&dir.join("sidecar/sidecar.yaml")), "sidecar.yaml").remove(0);
-    let sidecar = named(list_at(&patch, "spec.template.spec.initContainers"), "idemproxy").unwrap();
+    let sidecar = named(
+        list_at(&patch, "spec.template.spec.initContainers"),
+        "idemproxy",
+    )
+    .unwrap();
     let port = named(list_at(sidecar, "ports"), str_at(endpoint, "port"))
         .expect("the PodMonitor names a port of the sidecar");
     assert_eq!(int_at(port, "containerPort"), 9090);

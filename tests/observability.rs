@@ -33,16 +33,17 @@ fn access_lines(proxy: &ProxyProc) -> Vec<String> {
 /// response body is done, so just after the client has it).
 async fn access_line(proxy: &ProxyProc, request_id: &str) -> String {
     let needle = format!("request_id={request_id} ");
-    poll_every(Duration::from_millis(20), Duration::from_secs(10), || async {
-        access_lines(proxy).into_iter().find(|l| l.contains(&needle))
-    })
+    poll_every(
+        Duration::from_millis(20),
+        Duration::from_secs(10),
+        || async {
+            access_lines(proxy)
+                .into_iter()
+                .find(|l| l.contains(&needle))
+        },
+    )
     .await
-    .unwrap_or_else(|| {
-        panic!(
-            "no access line with {needle}\n{}",
-            proxy.proc.log_tail(20)
-        )
-    })
+    .unwrap_or_else(|| panic!("no access line with {needle}\n{}", proxy.proc.log_tail(20)))
 }
 
 #[tokio::test]
@@ -206,11 +207,15 @@ async fn metrics_show_the_request_histogram_past_the_timeout_build_info_and_only
         env!("CARGO_PKG_VERSION")
     );
     assert!(
-        text.lines().any(|l| l.starts_with(&build) && l.ends_with("} 1")),
+        text.lines()
+            .any(|l| l.starts_with(&build) && l.ends_with("} 1")),
         "{build} missing:\n{text}"
     );
     // Counts since start are counters, and the cache is visible.
-    assert!(text.contains("# TYPE idemproxy_store_batches counter"), "{text}");
+    assert!(
+        text.contains("# TYPE idemproxy_store_batches counter"),
+        "{text}"
+    );
     assert!(text.contains("idemproxy_cache_misses_total "), "{text}");
     assert!(text.contains("idemproxy_waiters 0"), "{text}");
 

@@ -25,7 +25,11 @@ use crate::metrics::Outcome;
 impl Proxy {
     /// Forwards a request that is not keyed, untouched but for the
     /// forwarding headers.
-    pub(super) async fn pass_through(&self, req: Request<ProxyBody>, client: ClientInfo) -> Handled {
+    pub(super) async fn pass_through(
+        &self,
+        req: Request<ProxyBody>,
+        client: ClientInfo,
+    ) -> Handled {
         let (parts, body) = req.into_parts();
         match self.forward_request(&parts, body, client, None) {
             Ok(req) => self.forward_streaming(req).await,

@@ -165,7 +165,9 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
             .filter(|l| !l.starts_with('#'))
             .filter_map(|l| l.rsplit_once(' '))
     };
-    if let Some(v) = samples().find_map(|(name, value)| (name == series).then(|| value.parse().ok())?) {
+    if let Some(v) =
+        samples().find_map(|(name, value)| (name == series).then(|| value.parse().ok())?)
+    {
         return v;
     }
     let (name, labels) = match series.split_once('{') {
@@ -180,7 +182,8 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
         .filter_map(|(s, value)| {
             let (n, l) = s.split_once('{')?;
             let have: Vec<&str> = l.trim_end_matches('}').split(',').collect();
-            (n == name && wanted.iter().all(|w| have.contains(w))).then(|| value.parse::<f64>().ok())?
+            (n == name && wanted.iter().all(|w| have.contains(w)))
+                .then(|| value.parse::<f64>().ok())?
         })
         .sum()
 }
