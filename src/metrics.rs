@@ -1,13 +1,29 @@
 //! Prometheus metrics, served by the admin listener. Routes are labelled by
 //! their configured name, never by raw path; nothing is labelled by key or
-//! tenant.
+//! tenant. The families and what each means are listed in
+//! docs/operations.md ("Metrics"); a test keeps that list and `/metrics`
+//! in step.
+//!
+//! The request path records into per-route handles found by a lookup on
+//! the route's name (a read lock and a hash, no allocation): a series is
+//! created on its first use only, so `/metrics` shows the combinations
+//! that happened rather than every route × outcome × status class.
+//!
+//! Latency buckets must reach past the longest a request may take, or slow
+//! calls all land in `+Inf`. Those of the request and upstream histograms
+//! are derived from `upstream.timeout` (and the longest route `wait`) when
+//! the proxy is built ([`Metrics::configure_durations`]); store operations
+//! are bounded by `store.timeout` and keep a fixed range up to two minutes.
 
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
@@ -36,6 +52,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Outcome; 9] = [
+        Outcome::Claimed,
+        Outcome::Replayed,
+        Outcome::Conflict,
+        Outcome::Mismatch,
+        Outcome::Passthrough,
+        Outcome::Released,
+        Outcome::LostLease,
+        Outcome::StoreError,
+        Outcome::Rejected,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -50,10 +79,34 @@ impl Outcome {
             Outcome::Rejected => "rejected",
         }
     }
+
+    /// Its position in [`Outcome::ALL`].
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The `status_class` label values; a status outside 100–599 is "other".
+const STATUS_CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "other"];
+
+/// The index in [`STATUS_CLASSES`] of an HTTP status.
+fn status_class(status: u16) -> usize {
+    match status / 100 {
+        c @ 1..=5 => usize::from(c) - 1,
+        _ => 5,
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
+    // First, so that a match on `route=…,outcome=…"}` still finds a line.
+    status_class: &'static str,
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DurationLabels {
     route: String,
     outcome: &'static str,
 }
@@ -74,16 +127,132 @@ struct BuildLabels {
     commit: &'static str,
 }
 
-fn latency_histogram() -> Histogram {
-    // 250µs … ~8s.
-    Histogram::new(exponential_buckets(0.00025, 2.0, 16))
+/// The label set of a family with a single, unlabelled series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct Unlabelled;
+
+impl EncodeLabelSet for Unlabelled {
+    fn encode(
+        &self,
+        _: &mut prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        Ok(())
+    }
 }
+
+/// Store operations: 250 µs … ~2 min (they are bounded by `store.timeout`).
+fn store_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.00025, 2.0, 20))
+}
+
+/// Upper bounds (seconds) of the request and upstream histograms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DurationBuckets {
+    /// `idemproxy_request_duration_seconds`.
+    pub request: Vec<f64>,
+    /// `idemproxy_upstream_duration_seconds`.
+    pub upstream: Vec<f64>,
+}
+
+/// The 1–2.5–5 ladder from 1 ms, up to (excluded) `below` seconds.
+fn ladder(below: f64) -> impl Iterator<Item = f64> {
+    (-3..6)
+        .flat_map(|exp| [1.0, 2.5, 5.0].map(|m| m * 10f64.powi(exp)))
+        .take_while(move |b| *b < below)
+}
+
+impl DurationBuckets {
+    /// Buckets for an upstream `timeout` and a longest duplicate `wait`.
+    ///
+    /// The upstream's reach to `timeout`, then 1.25 × `timeout`: a call cut
+    /// by the timeout lands between the two, not in `+Inf`. A request
+    /// spends at most about the longer of the two in the upstream or
+    /// waiting, plus store round trips; its ladder reaches that ceiling,
+    /// 1.25 × and 2 × the ceiling.
+    pub fn for_limits(timeout: Duration, longest_wait: Duration) -> Self {
+        let t = timeout.as_secs_f64().max(0.001);
+        let ceiling = t.max(longest_wait.as_secs_f64());
+        let mut upstream: Vec<f64> = ladder(t).collect();
+        upstream.extend([t, t * 1.25]);
+        let mut request: Vec<f64> = ladder(ceiling).collect();
+        request.extend([ceiling, ceiling * 1.25, ceiling * 2.0]);
+        DurationBuckets { request, upstream }
+    }
+}
+
+impl Default for DurationBuckets {
+    /// Those of the default `upstream.timeout` (30 s), no `wait`.
+    fn default() -> Self {
+        DurationBuckets::for_limits(Duration::from_secs(30), Duration::ZERO)
+    }
+}
+
+/// Builds histograms with the configured buckets (the defaults until
+/// [`Metrics::configure_durations`] is called).
+#[derive(Clone)]
+struct DurationHistograms {
+    buckets: Arc<OnceLock<DurationBuckets>>,
+    request: bool,
+}
+
+impl MetricConstructor<Histogram> for DurationHistograms {
+    fn new_metric(&self) -> Histogram {
+        let b = self.buckets.get_or_init(DurationBuckets::default);
+        let bounds = if self.request {
+            &b.request
+        } else {
+            &b.upstream
+        };
+        Histogram::new(bounds.iter().copied())
+    }
+}
+
+/// The series of one route, created on first use.
+struct RouteSeries {
+    /// `idemproxy_requests_total` by outcome, then status class.
+    requests: [[OnceLock<Counter>; STATUS_CLASSES.len()]; Outcome::ALL.len()],
+    /// `idemproxy_request_duration_seconds` by outcome.
+    durations: [OnceLock<Histogram>; Outcome::ALL.len()],
+}
+
+impl RouteSeries {
+    fn new() -> Self {
+        RouteSeries {
+            requests: std::array::from_fn(|_| std::array::from_fn(|_| OnceLock::new())),
+            durations: std::array::from_fn(|_| OnceLock::new()),
+        }
+    }
+}
+
+/// What the response cache holds and did, sampled at each scrape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheSample {
+    /// Replays answered from memory, since start.
+    pub hits: u64,
+    /// Lookups that found nothing usable, since start.
+    pub misses: u64,
+    /// Entries pushed out by the byte budget, since start.
+    pub evictions: u64,
+    /// Bytes held now.
+    pub bytes: u64,
+    /// Entries held now.
+    pub entries: u64,
+}
+
+/// Reads state owned elsewhere (cache, waiters) into the metrics at each
+/// scrape.
+pub type Sampler = Box<dyn Fn(&Metrics) + Send + Sync>;
 
 /// All of the process's metrics.
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
-    upstream_duration: Histogram,
+    request_duration: Family<DurationLabels, Histogram, DurationHistograms>,
+    /// Per-route handles into the two families above.
+    routes: RwLock<HashMap<Box<str>, Arc<RouteSeries>>>,
+    /// The buckets chosen for the request and upstream histograms.
+    buckets: Arc<OnceLock<DurationBuckets>>,
+    upstream_duration: Family<Unlabelled, Histogram, DurationHistograms>,
     store_duration: Family<OpLabels, Histogram, fn() -> Histogram>,
     in_flight: Gauge,
     takeovers: Counter,
@@ -92,11 +261,18 @@ pub struct Metrics {
     pool_size: Gauge,
     pool_available: Gauge,
     pool_waiting: Gauge,
-    batches: Family<OpLabels, Gauge>,
-    batched_items: Family<OpLabels, Gauge>,
+    batches: Family<OpLabels, Counter>,
+    batched_items: Family<OpLabels, Counter>,
     largest_batch: Family<OpLabels, Gauge>,
     store_up: Gauge,
     lost_leases: Counter,
+    cache_hits: Counter,
+    cache_misses: Counter,
+    cache_evictions: Counter,
+    cache_bytes: Gauge,
+    cache_entries: Gauge,
+    waiters: Gauge,
+    sampler: Mutex<Option<Sampler>>,
     config_reloads: Family<ResultLabels, Counter>,
 }
 
@@ -106,25 +282,43 @@ impl Default for Metrics {
     }
 }
 
+/// Raises a counter to `total` (a count kept elsewhere since start); never
+/// lowers it, so concurrent scrapes cannot make it go backwards.
+fn raise_to(counter: &Counter, total: u64) {
+    counter.inner().fetch_max(total, Ordering::Relaxed);
+}
+
 impl Metrics {
     /// Registers every metric.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("idemproxy");
+        let buckets = Arc::new(OnceLock::new());
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
             "requests",
-            "Requests by route and outcome",
+            "Requests by status class, route and outcome",
             requests.clone(),
         );
-        let upstream_duration = latency_histogram();
+        let request_duration = Family::new_with_constructor(DurationHistograms {
+            buckets: buckets.clone(),
+            request: true,
+        });
+        registry.register(
+            "request_duration_seconds",
+            "Time from a request's arrival to its response head, by route and outcome",
+            request_duration.clone(),
+        );
+        let upstream_duration = Family::new_with_constructor(DurationHistograms {
+            buckets: buckets.clone(),
+            request: false,
+        });
         registry.register(
             "upstream_duration_seconds",
             "Duration of upstream exchanges",
             upstream_duration.clone(),
         );
-        let store_duration = Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(
-            latency_histogram,
-        );
+        let store_duration =
+            Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(store_histogram);
         registry.register(
             "store_duration_seconds",
             "Duration of store operations by operation",
@@ -172,16 +366,16 @@ impl Metrics {
             "Tasks waiting for a database connection",
             pool_waiting.clone(),
         );
-        let batches = Family::<OpLabels, Gauge>::default();
+        let batches = Family::<OpLabels, Counter>::default();
         registry.register(
             "store_batches",
-            "Group-commit statements sent since start, by operation",
+            "Group-commit statements sent, by operation",
             batches.clone(),
         );
-        let batched_items = Family::<OpLabels, Gauge>::default();
+        let batched_items = Family::<OpLabels, Counter>::default();
         registry.register(
             "store_batched_items",
-            "Items carried by group-commit statements since start, by operation (÷ batches: mean batch size)",
+            "Items carried by group-commit statements, by operation (÷ batches: mean batch size)",
             batched_items.clone(),
         );
         let largest_batch = Family::<OpLabels, Gauge>::default();
@@ -201,6 +395,42 @@ impl Metrics {
             "lost_leases",
             "Responses the fence refused to store (the lease was lost), whether the request was still waiting or the completion was being retried in the background",
             lost_leases.clone(),
+        );
+        let cache_hits = Counter::default();
+        registry.register(
+            "cache_hits",
+            "Replays answered from this replica's response cache",
+            cache_hits.clone(),
+        );
+        let cache_misses = Counter::default();
+        registry.register(
+            "cache_misses",
+            "Response cache lookups that found nothing usable (the store was read)",
+            cache_misses.clone(),
+        );
+        let cache_evictions = Counter::default();
+        registry.register(
+            "cache_evictions",
+            "Response cache entries pushed out by the byte budget",
+            cache_evictions.clone(),
+        );
+        let cache_bytes = Gauge::default();
+        registry.register(
+            "cache_bytes",
+            "Bytes held by the response cache (allocator overhead included)",
+            cache_bytes.clone(),
+        );
+        let cache_entries = Gauge::default();
+        registry.register(
+            "cache_entries",
+            "Completions held by the response cache",
+            cache_entries.clone(),
+        );
+        let waiters = Gauge::default();
+        registry.register(
+            "waiters",
+            "Duplicates waiting now for their original to finish (route setting wait)",
+            waiters.clone(),
         );
         // Constant 1: its labels say which release (and commit) a replica
         // runs, so a rolling upgrade's mix of versions shows on a dashboard.
@@ -226,6 +456,9 @@ impl Metrics {
             largest_batch,
             registry,
             requests,
+            request_duration,
+            routes: RwLock::new(HashMap::new()),
+            buckets,
             upstream_duration,
             store_duration,
             in_flight,
@@ -235,32 +468,102 @@ impl Metrics {
             pool_size,
             pool_available,
             pool_waiting,
+            cache_hits,
+            cache_misses,
+            cache_evictions,
+            cache_bytes,
+            cache_entries,
+            waiters,
+            sampler: Mutex::new(None),
         }
     }
 
-    /// Counts a finished request.
-    pub fn request(&self, route: &str, outcome: Outcome) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                route: route.to_owned(),
-                outcome: outcome.as_str(),
-            })
-            .inc();
+    /// Chooses the request and upstream histograms' buckets from the
+    /// configured limits (see [`DurationBuckets::for_limits`]). Only the
+    /// first call counts, and only before the first observation: buckets
+    /// cannot change under a live series.
+    pub fn configure_durations(&self, upstream_timeout: Duration, longest_wait: Duration) {
+        let _ = self
+            .buckets
+            .set(DurationBuckets::for_limits(upstream_timeout, longest_wait));
     }
 
-    /// How many requests ended with `outcome` on `route` (for tests).
-    pub fn request_count(&self, route: &str, outcome: Outcome) -> u64 {
-        self.requests
-            .get_or_create(&RequestLabels {
-                route: route.to_owned(),
-                outcome: outcome.as_str(),
+    /// The buckets in use.
+    pub fn duration_buckets(&self) -> &DurationBuckets {
+        self.buckets.get_or_init(DurationBuckets::default)
+    }
+
+    /// The handles of `route`'s series: a read lock and a lookup, no
+    /// allocation but on a route's first request.
+    fn route(&self, route: &str) -> Arc<RouteSeries> {
+        let found = self
+            .routes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(route)
+            .cloned();
+        found.unwrap_or_else(|| {
+            self.routes
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(route.into())
+                .or_insert_with(|| Arc::new(RouteSeries::new()))
+                .clone()
+        })
+    }
+
+    fn request_counter<'s>(
+        &self,
+        series: &'s RouteSeries,
+        route: &str,
+        outcome: Outcome,
+        status: u16,
+    ) -> &'s Counter {
+        let class = status_class(status);
+        series.requests[outcome.index()][class].get_or_init(|| {
+            self.requests
+                .get_or_create(&RequestLabels {
+                    status_class: STATUS_CLASSES[class],
+                    route: route.to_owned(),
+                    outcome: outcome.as_str(),
+                })
+                .clone()
+        })
+    }
+
+    /// Counts a finished request and records how long it took to its
+    /// response head.
+    pub fn request(&self, route: &str, outcome: Outcome, status: u16, took: Duration) {
+        let series = self.route(route);
+        self.request_counter(&series, route, outcome, status).inc();
+        series.durations[outcome.index()]
+            .get_or_init(|| {
+                self.request_duration
+                    .get_or_create(&DurationLabels {
+                        route: route.to_owned(),
+                        outcome: outcome.as_str(),
+                    })
+                    .clone()
             })
-            .get()
+            .observe(took.as_secs_f64());
+    }
+
+    /// How many requests ended with `outcome` on `route`, whatever their
+    /// status (for tests).
+    pub fn request_count(&self, route: &str, outcome: Outcome) -> u64 {
+        let series = self.route(route);
+        series.requests[outcome.index()]
+            .iter()
+            .filter_map(OnceLock::get)
+            .map(Counter::get)
+            .sum()
     }
 
     /// Records an upstream exchange's duration.
     pub fn upstream(&self, d: Duration) {
-        self.upstream_duration.observe(d.as_secs_f64());
+        self.upstream_duration
+            .get_or_create(&Unlabelled)
+            .observe(d.as_secs_f64());
     }
 
     /// Records a store operation's duration.
@@ -307,21 +610,43 @@ impl Metrics {
         self.pool_waiting.set(waiting as i64);
     }
 
-    /// Updates the group-commit gauges from the store's counters.
+    /// Updates the group-commit series from the store's counts since start.
     pub fn batching(&self, op: &'static str, batches: u64, items: u64, largest: u64) {
         let labels = OpLabels { op };
-        let as_gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        self.batches.get_or_create(&labels).set(as_gauge(batches));
-        self.batched_items
-            .get_or_create(&labels)
-            .set(as_gauge(items));
+        raise_to(&self.batches.get_or_create(&labels), batches);
+        raise_to(&self.batched_items.get_or_create(&labels), items);
         self.largest_batch
             .get_or_create(&labels)
-            .set(as_gauge(largest));
+            .set(i64::try_from(largest).unwrap_or(i64::MAX));
+    }
+
+    /// Updates the response cache's series from its own counts.
+    pub fn cache(&self, s: CacheSample) {
+        raise_to(&self.cache_hits, s.hits);
+        raise_to(&self.cache_misses, s.misses);
+        raise_to(&self.cache_evictions, s.evictions);
+        self.cache_bytes
+            .set(i64::try_from(s.bytes).unwrap_or(i64::MAX));
+        self.cache_entries
+            .set(i64::try_from(s.entries).unwrap_or(i64::MAX));
+    }
+
+    /// Sets the number of duplicates waiting now.
+    pub fn waiters(&self, waiting: usize) {
+        self.waiters.set(i64::try_from(waiting).unwrap_or(i64::MAX));
+    }
+
+    /// Installs the function that reads state owned elsewhere at each
+    /// scrape (replacing any earlier one: one proxy per process).
+    pub fn set_sampler(&self, sampler: Sampler) {
+        *self.sampler.lock().unwrap_or_else(PoisonError::into_inner) = Some(sampler);
     }
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
+        if let Some(sample) = &*self.sampler.lock().unwrap_or_else(PoisonError::into_inner) {
+            sample(self);
+        }
         let mut out = String::new();
         // Writing to a String cannot fail.
         let _ = encode(&mut out, &self.registry);
@@ -360,20 +685,92 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicU64;
 
     #[test]
-    fn requests_are_counted_by_route_and_outcome() {
+    fn requests_are_counted_by_status_class_route_and_outcome() {
         let m = Metrics::new();
-        m.request("payments", Outcome::Replayed);
-        m.request("payments", Outcome::Replayed);
-        m.request("payments", Outcome::Claimed);
+        let ms = Duration::from_millis(3);
+        m.request("payments", Outcome::Replayed, 201, ms);
+        m.request("payments", Outcome::Replayed, 201, ms);
+        m.request("payments", Outcome::Claimed, 201, ms);
+        m.request("payments", Outcome::Claimed, 502, ms);
         let text = m.render();
         assert!(
-            text.contains(r#"idemproxy_requests_total{route="payments",outcome="replayed"} 2"#),
+            text.contains(
+                r#"idemproxy_requests_total{status_class="2xx",route="payments",outcome="replayed"} 2"#
+            ),
             "{text}"
         );
-        assert!(text.contains(r#"idemproxy_requests_total{route="payments",outcome="claimed"} 1"#));
+        assert!(text.contains(
+            r#"idemproxy_requests_total{status_class="5xx",route="payments",outcome="claimed"} 1"#
+        ));
         assert_eq!(m.request_count("payments", Outcome::Replayed), 2);
+        assert_eq!(m.request_count("payments", Outcome::Claimed), 2);
+        assert_eq!(m.request_count("other", Outcome::Claimed), 0);
+    }
+
+    #[test]
+    fn status_classes_cover_every_status() {
+        let classes: Vec<&str> = [100, 204, 304, 499, 503, 600, 0]
+            .iter()
+            .map(|s| STATUS_CLASSES[status_class(*s)])
+            .collect();
+        assert_eq!(
+            classes,
+            ["1xx", "2xx", "3xx", "4xx", "5xx", "other", "other"]
+        );
+    }
+
+    #[test]
+    fn request_duration_buckets_reach_past_the_upstream_timeout() {
+        let m = Metrics::new();
+        m.configure_durations(Duration::from_secs(30), Duration::from_secs(5));
+        // A call cut by the 30 s timeout, plus store round trips.
+        m.request(
+            "legacy",
+            Outcome::Claimed,
+            504,
+            Duration::from_millis(30_200),
+        );
+        m.upstream(Duration::from_millis(30_001));
+        let text = m.render();
+        let line = |series: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series))
+                .unwrap_or_else(|| panic!("{series} missing:\n{text}"))
+                .trim()
+                .to_owned()
+        };
+        let request = |le: &str| {
+            format!(
+                r#"idemproxy_request_duration_seconds_bucket{{le="{le}",route="legacy",outcome="claimed"}}"#
+            )
+        };
+        assert_eq!(line(&request("30.0")), "0");
+        assert_eq!(line(&request("37.5")), "1");
+        let upstream = r#"idemproxy_upstream_duration_seconds_bucket{le="#;
+        assert_eq!(line(&format!(r#"{upstream}"30.0"}}"#)), "0");
+        assert_eq!(line(&format!(r#"{upstream}"37.5"}}"#)), "1");
+    }
+
+    #[test]
+    fn buckets_follow_the_longest_of_timeout_and_wait() {
+        let b = DurationBuckets::for_limits(Duration::from_secs(2), Duration::from_secs(120));
+        assert_eq!(b.upstream.last(), Some(&2.5));
+        assert_eq!(b.request[b.request.len() - 3..], [120.0, 150.0, 240.0]);
+        assert!(b.request.windows(2).all(|w| w[0] < w[1]), "{b:?}");
+        let d = DurationBuckets::default();
+        assert_eq!(d.request[..3], [0.001, 0.0025, 0.005]);
+        assert_eq!(d.request[d.request.len() - 4..], [25.0, 30.0, 37.5, 60.0]);
+    }
+
+    #[test]
+    fn only_the_first_bucket_choice_counts() {
+        let m = Metrics::new();
+        m.configure_durations(Duration::from_secs(60), Duration::ZERO);
+        m.configure_durations(Duration::from_secs(1), Duration::ZERO);
+        assert_eq!(m.duration_buckets().upstream.last(), Some(&75.0));
     }
 
     #[test]
@@ -389,48 +786,103 @@ mod tests {
     }
 
     #[test]
-    fn every_documented_family_is_exposed() {
+    fn counts_since_start_are_counters_that_never_go_back() {
         let m = Metrics::new();
-        // Families appear once they have a series.
-        m.request("default", Outcome::Claimed);
+        m.batching("claim", 10, 40, 8);
+        // A scrape that read older figures cannot lower the counters.
+        m.batching("claim", 9, 35, 8);
+        m.cache(CacheSample {
+            hits: 3,
+            misses: 2,
+            evictions: 1,
+            bytes: 4096,
+            entries: 2,
+        });
+        let text = m.render();
+        for (line, value) in [
+            (r#"idemproxy_store_batches_total{op="claim"}"#, "10"),
+            (r#"idemproxy_store_batched_items_total{op="claim"}"#, "40"),
+            ("idemproxy_cache_hits_total", "3"),
+            ("idemproxy_cache_evictions_total", "1"),
+            ("idemproxy_cache_bytes", "4096"),
+        ] {
+            assert!(
+                text.contains(&format!("{line} {value}\n")),
+                "{line}:\n{text}"
+            );
+        }
+        assert!(
+            text.contains("# TYPE idemproxy_store_batches counter"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_sampler_runs_at_each_scrape() {
+        let m = Metrics::new();
+        let n = Arc::new(AtomicU64::new(0));
+        let seen = n.clone();
+        m.set_sampler(Box::new(move |m| {
+            m.waiters(seen.fetch_add(1, Ordering::Relaxed) as usize + 1)
+        }));
+        assert!(m.render().contains("idemproxy_waiters 1\n"));
+        assert!(m.render().contains("idemproxy_waiters 2\n"));
+    }
+
+    /// `(name, type)` of every row of docs/operations.md's metrics table.
+    fn documented() -> Vec<(String, String)> {
+        let doc = include_str!("../docs/operations.md");
+        let section = doc
+            .split("\n## Metrics\n")
+            .nth(1)
+            .and_then(|s| s.split("\n## ").next())
+            .expect("docs/operations.md has a Metrics section");
+        section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `idemproxy_"))
+            .map(|l| {
+                let mut cells = l.split('|');
+                let name = cells.next().unwrap().trim().trim_end_matches('`');
+                let kind = cells.next().unwrap().trim();
+                (format!("idemproxy_{name}"), kind.to_owned())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_family_is_documented_and_every_documented_family_exists() {
+        let m = Metrics::new();
+        // Families appear once they have a series: give each one.
+        m.request("default", Outcome::Claimed, 201, Duration::from_millis(1));
+        m.upstream(Duration::from_millis(1));
         m.store("claim", Duration::from_millis(1));
         m.renewal("ok");
+        m.batching("claim", 1, 1, 1);
         let text = m.render();
-        for name in [
-            "idemproxy_requests_total",
-            "idemproxy_upstream_duration_seconds",
-            "idemproxy_store_duration_seconds",
-            "idemproxy_in_flight",
-            "idemproxy_takeovers_total",
-            "idemproxy_lease_renewals_total",
-            "idemproxy_sweeper_deleted_total",
-            "idemproxy_store_pool_connections",
-            "idemproxy_store_pool_available",
-            "idemproxy_store_pool_waiting",
-        ] {
-            assert!(text.contains(name), "{name} missing from\n{text}");
-        }
+        let mut exposed: Vec<(String, String)> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| {
+                let (name, kind) = l.split_once(' ').unwrap();
+                let name = if kind == "counter" {
+                    format!("{name}_total")
+                } else {
+                    name.to_owned()
+                };
+                (name, kind.to_owned())
+            })
+            .collect();
+        let mut documented = documented();
+        exposed.sort();
+        documented.sort();
+        assert_eq!(exposed, documented, "docs/operations.md vs /metrics");
     }
 
     #[test]
     fn outcome_labels_are_the_documented_ones() {
         // Dashboards and alerts (deploy/grafana, docs/operations.md) match
         // these strings: renaming one is a breaking change.
-        use Outcome::*;
-        let labels: Vec<&str> = [
-            Claimed,
-            Replayed,
-            Conflict,
-            Mismatch,
-            Passthrough,
-            Released,
-            LostLease,
-            StoreError,
-            Rejected,
-        ]
-        .iter()
-        .map(|o| o.as_str())
-        .collect();
+        let labels: Vec<&str> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
         assert_eq!(
             labels,
             [
@@ -445,5 +897,8 @@ mod tests {
                 "rejected"
             ]
         );
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i);
+        }
     }
 }

@@ -254,7 +254,11 @@ fn service_targets_the_proxy_port_not_the_app() {
     )
     .and_then(Value::as_mapping)
     .expect("pod labels");
-    for service in m.of_kind("Service") {
+    // Every Service but the example overlay's own PostgreSQL.
+    let services = m
+        .of_kind("Service")
+        .filter(|s| str_at(s, "metadata.name") != "postgres");
+    for service in services {
         let selector = at(service, "spec.selector")
             .and_then(Value::as_mapping)
             .expect("a selector");
@@ -452,7 +456,24 @@ fn compose_starts_idemproxy_after_healthy_dependencies() {
         .filter_map(Value::as_str)
         .collect();
     assert_eq!(test[..3], ["CMD", "/usr/local/bin/idemproxy", "health"]);
-    assert!(test.last().unwrap().ends_with(":9090/readyz"), "{test:?}");
+    // The admin port of config/compose.toml, probed and published; not
+    // 9090, where a Prometheus beside it on the host listens.
+    let config = config::load(&root().join("config/compose.toml"), &Overrides::default())
+        .unwrap_or_else(|e| panic!("config/compose.toml:\n{e}"));
+    let admin = config.server.admin_listen.port();
+    assert_ne!(admin, 9090);
+    assert!(
+        test.last().unwrap().ends_with(&format!(":{admin}/readyz")),
+        "{test:?}"
+    );
+    let published: Vec<&str> = list_at(proxy, "ports")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        published.contains(&format!("127.0.0.1:{admin}:{admin}").as_str()),
+        "{published:?}"
+    );
 }
 
 #[test]
@@ -512,10 +533,20 @@ fn image_is_static_scratch_non_root_and_exposes_both_ports() {
     assert_ne!(uid, 0);
     assert!(runtime.contains(&"EXPOSE 8080 9090"));
     assert!(runtime.iter().any(|l| l.starts_with("ENTRYPOINT [\"/")));
+    for target in ["x86_64-unknown-linux-musl", "aarch64-unknown-linux-musl"] {
+        assert!(dockerfile.contains(target), "a static build for {target}");
+    }
     assert!(
-        dockerfile.contains("x86_64-unknown-linux-musl"),
-        "a static build"
+        dockerfile.contains("FROM --platform=$BUILDPLATFORM ")
+            && dockerfile.contains("ARG TARGETARCH"),
+        "the builder cross-compiles on the build machine for TARGETARCH"
     );
+    for label in ["source", "documentation", "version", "revision"] {
+        assert!(
+            dockerfile.contains(&format!("org.opencontainers.image.{label}=")),
+            "OCI label {label}"
+        );
+    }
     assert!(dockerfile.contains("FROM ${BINARY_SOURCE} AS binaries"));
 }
 
@@ -542,7 +573,7 @@ fn grafana_dashboard_queries_only_metrics_the_proxy_exposes() {
     let dashboard: serde_json::Value = serde_json::from_str(&read(&path)).unwrap();
     let m = Metrics::new();
     // Give every family a series so that it is rendered.
-    m.request("all", Outcome::Replayed);
+    m.request("all", Outcome::Replayed, 200, Duration::from_millis(3));
     m.upstream(Duration::from_millis(3));
     m.store("claim", Duration::from_millis(1));
     m.renewal("ok");
@@ -577,4 +608,253 @@ fn grafana_dashboard_queries_only_metrics_the_proxy_exposes() {
             "the dashboard queries {name}, which /metrics does not expose"
         );
     }
+}
+
+// ---------------------------------------------------------------------------
+// Adoption: the sidecar component on a Deployment it did not write
+
+/// The component's objects: rendered onto `deploy/kubernetes/examples/adopt`
+/// when CI passes `IDEMPROXY_RENDERED_ADOPTION=<rendered.yaml>` (kustomize
+/// applied the patches to the foreign Deployment and Service), else its
+/// sources as written (the patch and the NetworkPolicy).
+struct Adoption {
+    /// The pod spec the sidecar lives in.
+    pod: Value,
+    /// The pod template's labels.
+    pod_labels: Value,
+    /// The Service's first port's targetPort, after the component.
+    target_port: i64,
+    network_policy: Value,
+    /// The app containers, as the foreign Deployment wrote them.
+    apps: Vec<String>,
+    toml: String,
+}
+
+fn adoption() -> Adoption {
+    let dir = root().join("deploy/kubernetes/components/sidecar");
+    match std::env::var_os("IDEMPROXY_RENDERED_ADOPTION") {
+        Some(path) => {
+            let m = Manifests::rendered(Path::new(&path));
+            let deployment = m.get("Deployment", "orders");
+            let service = m.get("Service", "orders");
+            Adoption {
+                pod: at(deployment, "spec.template.spec").unwrap().clone(),
+                pod_labels: at(deployment, "spec.template.metadata.labels")
+                    .unwrap()
+                    .clone(),
+                target_port: int_at(service, "spec.ports.0.targetPort"),
+                network_policy: m.get("NetworkPolicy", "idemproxy-ingress").clone(),
+                apps: list_at(deployment, "spec.template.spec.containers")
+                    .iter()
+                    .map(|c| str_at(c, "name").to_owned())
+                    .collect(),
+                toml: m.toml.clone(),
+            }
+        }
+        None => {
+            let patch = documents(&read(&dir.join("sidecar.yaml")), "sidecar.yaml").remove(0);
+            let kustomization = read(&dir.join("kustomization.yaml"));
+            // The Service patch, as the JSON patch writes it.
+            let target_port = kustomization
+                .split("path: /spec/ports/0/targetPort")
+                .nth(1)
+                .and_then(|rest| rest.split("value:").nth(1))
+                .and_then(|v| v.lines().next())
+                .and_then(|v| v.trim().parse().ok())
+                .expect("the component replaces the Service's targetPort");
+            Adoption {
+                pod: at(&patch, "spec.template.spec").unwrap().clone(),
+                pod_labels: at(&patch, "spec.template.metadata.labels").unwrap().clone(),
+                target_port,
+                network_policy: documents(
+                    &read(&dir.join("networkpolicy.yaml")),
+                    "networkpolicy.yaml",
+                )
+                .remove(0),
+                apps: vec![],
+                toml: read(&dir.join("idemproxy.toml")),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_component_adds_a_native_sidecar_with_a_startup_probe() {
+    let a = adoption();
+    let sidecar = named(list_at(&a.pod, "initContainers"), "idemproxy")
+        .expect("idemproxy among the initContainers");
+    assert_eq!(
+        str_at(sidecar, "restartPolicy"),
+        "Always",
+        "a native sidecar"
+    );
+    let config: Config = config::parse(&a.toml, "component idemproxy.toml", &Overrides::default())
+        .unwrap_or_else(|e| panic!("the component's TOML:\n{e}"));
+    let admin = i64::from(config.server.admin_listen.port());
+    assert_eq!(
+        http_probe(sidecar, "startupProbe"),
+        ("/readyz".into(), admin)
+    );
+    assert_eq!(
+        http_probe(sidecar, "livenessProbe"),
+        ("/healthz".into(), admin)
+    );
+    assert_eq!(
+        at(&a.pod_labels, "idemproxy/inject").and_then(Value::as_str),
+        Some("true")
+    );
+    // The app containers stay as they were, beside it.
+    assert!(
+        a.apps.iter().all(|c| c != "idemproxy"),
+        "the sidecar is not a regular container: {:?}",
+        a.apps
+    );
+    if std::env::var_os("IDEMPROXY_RENDERED_ADOPTION").is_some() {
+        assert_eq!(a.apps, ["orders"], "the foreign app is kept");
+    }
+}
+
+#[test]
+fn the_component_moves_the_service_to_the_proxy_and_fences_the_app() {
+    let a = adoption();
+    let config: Config = config::parse(&a.toml, "component idemproxy.toml", &Overrides::default())
+        .unwrap_or_else(|e| panic!("the component's TOML:\n{e}"));
+    let proxy = i64::from(config.server.listen.port());
+    let admin = i64::from(config.server.admin_listen.port());
+    assert_eq!(
+        a.target_port, proxy,
+        "the Service sends clients to the proxy"
+    );
+    let np = &a.network_policy;
+    assert_eq!(
+        at(np, "spec.podSelector.matchLabels.idemproxy/inject").and_then(Value::as_str),
+        Some("true")
+    );
+    assert_eq!(list_at(np, "spec.policyTypes"), [Value::from("Ingress")]);
+    let rules = list_at(np, "spec.ingress");
+    let ports = |rule: &Value| -> Vec<i64> {
+        list_at(rule, "ports")
+            .iter()
+            .map(|p| int_at(p, "port"))
+            .collect()
+    };
+    // Anyone may reach the proxy's port; only monitoring the admin port;
+    // nothing else is open (the app's port above all).
+    let open: Vec<&Value> = rules.iter().filter(|r| r.get("from").is_none()).collect();
+    assert_eq!(open.len(), 1);
+    assert_eq!(ports(open[0]), [proxy]);
+    let restricted: Vec<&Value> = rules.iter().filter(|r| r.get("from").is_some()).collect();
+    assert_eq!(restricted.len(), 1);
+    assert_eq!(ports(restricted[0]), [admin]);
+    assert!(
+        at(restricted[0], "from.0.namespaceSelector").is_some(),
+        "the admin port admits one namespace"
+    );
+    let app_port = config.upstream.url.port_u16().map(i64::from);
+    assert!(
+        app_port.is_some_and(|p| p != proxy && p != admin),
+        "the app's port is not admitted"
+    );
+    assert!(
+        config.upstream.url.host() == Some("127.0.0.1"),
+        "the proxy reaches the app over the pod's loopback"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Monitoring: the PrometheusRule says what docs/operations.md says
+
+/// `(alert, expression, for, severity)` rows of docs/operations.md's
+/// "Alerts" table.
+fn documented_alerts() -> Vec<(String, String, String, String)> {
+    let doc = read(&root().join("docs/operations.md"));
+    let section = doc
+        .split("### Alerts")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("docs/operations.md has an Alerts section");
+    section
+        .lines()
+        .filter(|l| l.starts_with("| `Idemproxy"))
+        .map(|l| {
+            let cells: Vec<String> = l
+                .trim_matches('|')
+                .split(" | ")
+                .map(|c| c.trim().trim_matches('`').to_owned())
+                .collect();
+            (
+                cells[0].clone(),
+                cells[1].clone(),
+                cells[2].clone(),
+                cells[3].clone(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_prometheus_rule_carries_the_documented_alerts() {
+    let path = root().join("deploy/kubernetes/components/monitoring/prometheusrule.yaml");
+    let rule = documents(&read(&path), "prometheusrule.yaml").remove(0);
+    let squash = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut shipped = Vec::new();
+    for group in list_at(&rule, "spec.groups") {
+        for r in list_at(group, "rules") {
+            shipped.push((
+                str_at(r, "alert").to_owned(),
+                squash(str_at(r, "expr")),
+                str_at(r, "for").to_owned(),
+                str_at(r, "labels.severity").to_owned(),
+            ));
+        }
+    }
+    let documented: Vec<_> = documented_alerts()
+        .into_iter()
+        .map(|(a, e, f, s)| (a, squash(&e), f, s))
+        .collect();
+    assert!(documented.len() >= 5, "{documented:?}");
+    assert_eq!(shipped, documented);
+    // Every series an alert reads is one the proxy exposes (documented in
+    // the metrics table, which a unit test keeps in step with /metrics).
+    let doc = read(&root().join("docs/operations.md"));
+    for (alert, expr, ..) in &shipped {
+        let mut rest = expr.as_str();
+        while let Some(i) = rest.find("idemproxy_") {
+            let name: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[i + name.len()..];
+            let family = name.trim_end_matches("_bucket");
+            assert!(
+                doc.contains(&format!("| `{family}` |")),
+                "{alert} reads {name}, not in the metrics table"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_pod_monitor_scrapes_the_injected_pods_admin_port() {
+    let dir = root().join("deploy/kubernetes/components");
+    let pm = documents(
+        &read(&dir.join("monitoring/podmonitor.yaml")),
+        "podmonitor.yaml",
+    )
+    .remove(0);
+    assert_eq!(
+        at(&pm, "spec.selector.matchLabels.idemproxy/inject").and_then(Value::as_str),
+        Some("true")
+    );
+    let endpoint = &list_at(&pm, "spec.podMetricsEndpoints")[0];
+    assert_eq!(str_at(endpoint, "path"), "/metrics");
+    let patch = documents(&read(&dir.join("sidecar/sidecar.yaml")), "sidecar.yaml").remove(0);
+    let sidecar = named(
+        list_at(&patch, "spec.template.spec.initContainers"),
+        "idemproxy",
+    )
+    .unwrap();
+    let port = named(list_at(sidecar, "ports"), str_at(endpoint, "port"))
+        .expect("the PodMonitor names a port of the sidecar");
+    assert_eq!(int_at(port, "containerPort"), 9090);
 }

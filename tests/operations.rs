@@ -544,7 +544,9 @@ async fn metrics_count_outcomes_by_route_without_keys_or_tenants() {
     assert_eq!(m.status, StatusCode::OK);
     let text = m.text();
     assert!(
-        text.contains(r#"idemproxy_requests_total{route="default",outcome="claimed"} 1"#),
+        text.contains(
+            r#"idemproxy_requests_total{status_class="2xx",route="default",outcome="claimed"} 1"#
+        ),
         "{text}"
     );
     // The GET is not keyed on its route: counted as a pass-through (its

@@ -564,7 +564,7 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
         .await
         .text();
     let gauge = |name: &str, op: &str| -> u64 {
-        let prefix = format!("idemproxy_{name}{{op=\"{op}\"}} ");
+        let prefix = format!("idemproxy_{name}_total{{op=\"{op}\"}} ");
         metrics
             .lines()
             .find_map(|l| l.strip_prefix(&prefix))

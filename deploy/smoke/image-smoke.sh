@@ -129,6 +129,10 @@ user=$(jq -r '.config.User' "$config")
     die "unexpected entrypoint"
 [[ $(jq -r '.config.Labels["org.opencontainers.image.title"]' "$config") == idemproxy ]] ||
     die "OCI labels missing"
+for label in source documentation; do
+    [[ $(jq -r ".config.Labels[\"org.opencontainers.image.$label\"] // \"\"" "$config") == https://* ]] ||
+        die "OCI label $label missing"
+done
 [[ $(jq '.layers | length' "$manifest") -ge 1 ]] || die "image has no layers"
 compressed=$(jq '[.layers[].size] | add' "$manifest")
 
@@ -280,8 +284,8 @@ executions=$(curl -s "http://127.0.0.1:$UPSTREAM_PORT/__sample/executions?key=sm
 log "keyed POST twice: 201 then 201 with Idempotent-Replayed: true, same body; upstream executions: 1"
 
 metrics=$(curl -s "http://127.0.0.1:$ADMIN_PORT/metrics")
-for series in 'idemproxy_requests_total{route="all",outcome="claimed"} 1' \
-    'idemproxy_requests_total{route="all",outcome="replayed"} 1'; do
+for series in 'idemproxy_requests_total{status_class="2xx",route="all",outcome="claimed"} 1' \
+    'idemproxy_requests_total{status_class="2xx",route="all",outcome="replayed"} 1'; do
     grep -qF "$series" <<<"$metrics" || die "/metrics lacks: $series"
 done
 log "/metrics: claimed 1, replayed 1"

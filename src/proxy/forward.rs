@@ -25,9 +25,12 @@ use crate::metrics::Outcome;
 impl Proxy {
     /// Forwards a request that is not keyed, untouched but for the
     /// forwarding headers.
-    pub(super) async fn pass_through(&self, req: Request<Incoming>, client: ClientInfo) -> Handled {
+    pub(super) async fn pass_through(
+        &self,
+        req: Request<ProxyBody>,
+        client: ClientInfo,
+    ) -> Handled {
         let (parts, body) = req.into_parts();
-        let body = body.map_err(BoxError::from).boxed();
         match self.forward_request(&parts, body, client, None) {
             Ok(req) => self.forward_streaming(req).await,
             Err(e) => Handled::problem(Problem::unforwardable(&e), Outcome::Rejected),

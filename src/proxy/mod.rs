@@ -28,6 +28,7 @@
 //!
 //! Everything the proxy answers itself goes through [`problem`].
 
+pub mod access;
 pub mod headers;
 pub mod problem;
 pub mod upstream;
@@ -40,6 +41,7 @@ mod path;
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -49,7 +51,6 @@ use http::uri::PathAndQuery;
 use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use tracing::info;
 
 use crate::cache::ResponseCache;
 use crate::config::{Config, Route};
@@ -58,6 +59,7 @@ use crate::lifecycle::Lifecycle;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::Store;
 use crate::waiters::Waiters;
+use access::{AccessLine, Counted, Logged, RequestBytes, RequestIds, REQUEST_ID};
 use admit::Admission;
 use problem::{Problem, ProblemKind};
 use upstream::Upstream;
@@ -136,6 +138,8 @@ pub struct Proxy {
     cache: Arc<ResponseCache>,
     /// Owner of background work (completion retries) and of the drain.
     lifecycle: Lifecycle,
+    /// Mints `X-Request-Id` for requests that come without a usable one.
+    request_ids: RequestIds,
 }
 
 impl Proxy {
@@ -151,7 +155,20 @@ impl Proxy {
         cache: Arc<ResponseCache>,
         lifecycle: Lifecycle,
     ) -> Self {
+        let longest_wait = config
+            .routes
+            .iter()
+            .map(|r| r.policy.wait)
+            .max()
+            .unwrap_or_default();
+        metrics.configure_durations(config.upstream.timeout, longest_wait);
+        let (sampled_cache, sampled_waiters) = (cache.clone(), waiters.clone());
+        metrics.set_sampler(Box::new(move |m| {
+            m.cache(sampled_cache.sample());
+            m.waiters(sampled_waiters.waiting());
+        }));
         Proxy {
+            request_ids: RequestIds::new(),
             cache,
             config,
             store,
@@ -208,14 +225,30 @@ impl Proxy {
     }
 
     /// Handles one request: admit, then pass through or run the keyed
-    /// path, then account for it once.
+    /// path, then account for it once (metrics now, the access line when
+    /// the response body is done).
     pub async fn handle(
         &self,
         mut req: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<ProxyBody> {
         let started = Instant::now();
-        let method = req.method().clone();
+        let request_id = self.request_ids.assign(req.headers_mut());
+        let mut line = AccessLine {
+            method: req.method().clone(),
+            path: String::new(),
+            route: String::new(),
+            key: None,
+            attempt: None,
+            outcome: Outcome::Rejected,
+            status: 0,
+            request_id,
+            client: client.addr,
+            user_agent: AccessLine::user_agent(req.headers()),
+            request_bytes: RequestBytes::Known(0),
+            started,
+            timings: None,
+        };
         let original = req.uri().path().to_owned();
         let (path, matched) = match self.resolve(&original) {
             Ok((normal, route)) => {
@@ -224,68 +257,63 @@ impl Proxy {
                     // forwarded.
                     match with_path(req.uri(), normal) {
                         Ok(uri) => *req.uri_mut() = uri,
-                        Err(p) => return self.refused_early(p, &method, &original, started),
+                        Err(p) => return self.refused_early(p, original, line),
                     }
                 }
                 (normal.into_owned(), route)
             }
-            Err(p) => return self.refused_early(p, &method, &original, started),
+            Err(p) => return self.refused_early(p, original, line),
         };
         // Labelled by the route that covers the path, keyed method or not.
         let route_label = matched.map_or("unrouted", |r| r.name.as_str());
-        let mut key_for_log = None;
-        let mut timings = (None, None);
         let handled = match self.admit(matched, req, client).await {
-            Admission::PassThrough(req) => self.pass_through(req, client).await,
+            Admission::PassThrough(req) => {
+                let read = Arc::new(AtomicU64::new(0));
+                line.request_bytes = RequestBytes::Counted(read.clone());
+                let req = req.map(|b| Counted::new(b, read).boxed());
+                self.pass_through(req, client).await
+            }
             Admission::Refused(h) => h,
             Admission::Keyed(k) => {
-                key_for_log = Some(k.record.key.clone());
+                line.key = Some(k.record.key.as_str().to_owned());
+                line.request_bytes = RequestBytes::Known(k.body.len() as u64);
                 let h = self.keyed(&k).await;
-                let (store_ms, upstream_ms) = k.timings.millis();
-                timings = (Some(store_ms), Some(upstream_ms));
+                line.timings = Some(k.timings.millis());
                 h
             }
         };
-        self.metrics.request(route_label, handled.outcome);
-        let status = handled.response.status().as_u16();
-        info!(
-            target: "idemproxy::access",
-            %method,
-            path = %path,
-            route = route_label,
-            key = key_for_log.as_ref().map(|k| k.as_str()),
-            attempt = handled.attempt,
-            outcome = handled.outcome.as_str(),
-            status,
-            duration_ms = started.elapsed().as_secs_f64() * 1000.0,
-            store_ms = timings.0,
-            upstream_ms = timings.1,
-            "request"
-        );
-        handled.response
+        line.path = path;
+        line.route = route_label.to_owned();
+        line.attempt = handled.attempt;
+        self.respond(handled.response, handled.outcome, line)
     }
 
     /// A request refused before a route was chosen (its path is
     /// ambiguous), accounted for as any other refusal.
-    fn refused_early(
+    fn refused_early(&self, p: Problem, path: String, mut line: AccessLine) -> Response<ProxyBody> {
+        line.path = path;
+        line.route = "unrouted".to_owned();
+        self.respond(p.into_response(), Outcome::Rejected, line)
+    }
+
+    /// Counts the request, stamps its id on the response, and leaves the
+    /// access line to the body.
+    fn respond(
         &self,
-        p: Problem,
-        method: &http::Method,
-        path: &str,
-        started: Instant,
+        mut response: Response<ProxyBody>,
+        outcome: Outcome,
+        mut line: AccessLine,
     ) -> Response<ProxyBody> {
-        self.metrics.request("unrouted", Outcome::Rejected);
-        info!(
-            target: "idemproxy::access",
-            %method,
-            path = %path,
-            route = "unrouted",
-            outcome = Outcome::Rejected.as_str(),
-            status = p.kind.status().as_u16(),
-            duration_ms = started.elapsed().as_secs_f64() * 1000.0,
-            "request"
-        );
-        p.into_response()
+        let status = response.status().as_u16();
+        self.metrics
+            .request(&line.route, outcome, status, line.started.elapsed());
+        // Ours, whatever the upstream or a stored response said.
+        response
+            .headers_mut()
+            .insert(REQUEST_ID, line.request_id.clone());
+        line.outcome = outcome;
+        line.status = status;
+        response.map(|body| Logged::new(body, line).boxed())
     }
 }
 

@@ -155,13 +155,35 @@ impl HttpClient {
     }
 }
 
-/// Reads one series (`name{labels}`) from Prometheus text.
+/// Reads one series (`name{labels}`) from Prometheus text. When no line
+/// is exactly that series, the sum of the series whose labels include the
+/// given ones (`idemproxy_requests_total{route="r",outcome="o"}` adds up
+/// its status classes).
 pub fn metric_value(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok())?
+    let samples = || {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.rsplit_once(' '))
+    };
+    if let Some(v) =
+        samples().find_map(|(name, value)| (name == series).then(|| value.parse().ok())?)
+    {
+        return v;
+    }
+    let (name, labels) = match series.split_once('{') {
+        Some((n, l)) => (n, l.trim_end_matches('}')),
+        None => (series, ""),
+    };
+    let wanted: Vec<&str> = labels.split(',').filter(|l| !l.is_empty()).collect();
+    if wanted.is_empty() {
+        return 0.0;
+    }
+    samples()
+        .filter_map(|(s, value)| {
+            let (n, l) = s.split_once('{')?;
+            let have: Vec<&str> = l.trim_end_matches('}').split(',').collect();
+            (n == name && wanted.iter().all(|w| have.contains(w)))
+                .then(|| value.parse::<f64>().ok())?
         })
-        .unwrap_or(0.0)
+        .sum()
 }
