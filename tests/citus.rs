@@ -155,7 +155,10 @@ async fn migrate_distributes_the_records_table_by_key_once_even_from_replicas_at
         .unwrap()
         .get(0);
     assert!(local, "undistributed for the test");
-    stores[0].migrate().await.expect("migrate an existing table");
+    stores[0]
+        .migrate()
+        .await
+        .expect("migrate an existing table");
     let (distributed, rows): (bool, i64) = c
         .query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = $1::text::regclass),
@@ -209,21 +212,47 @@ async fn every_statement_of_the_request_path_is_routed_to_one_shard() {
             .unwrap()
     };
     let cases = [
-        ("claim_insert", "claim_insert.sql", format!("{k}, {fp}, {u}, 1000, 1000")),
+        (
+            "claim_insert",
+            "claim_insert.sql",
+            format!("{k}, {fp}, {u}, 1000, 1000"),
+        ),
         ("claim_read", "claim_read.sql", format!("{k}, {fp}")),
-        ("take_over", "take_over.sql", format!("{k}, {fp}, {u}, {u}, 1000")),
-        ("reclaim", "reclaim.sql", format!("{k}, {fp}, {u}, {u}, 1000, 1000")),
-        ("complete", "complete.sql", format!("{k}, {u}, 1000, {resp}")),
+        (
+            "take_over",
+            "take_over.sql",
+            format!("{k}, {fp}, {u}, {u}, 1000"),
+        ),
+        (
+            "reclaim",
+            "reclaim.sql",
+            format!("{k}, {fp}, {u}, {u}, 1000, 1000"),
+        ),
+        (
+            "complete",
+            "complete.sql",
+            format!("{k}, {u}, 1000, {resp}"),
+        ),
         ("renew", "renew.sql", format!("{k}, {u}, 1000")),
         ("owned", "owned.sql", format!("{k}, {u}")),
         ("release", "release.sql", format!("{k}, {u}")),
-        ("force_release", "force_release_plain.sql", format!("{k}, true")),
+        (
+            "force_release",
+            "force_release_plain.sql",
+            format!("{k}, true"),
+        ),
         ("show", "show.sql", format!("{k}, false")),
     ];
     for (name, file, args) in cases {
         let plan = task_count(&c, name, &src(file), &args).await;
-        assert!(plan.contains("Citus Adaptive"), "{name}: not a Citus plan:\n{plan}");
-        assert!(plan.contains("Task Count: 1"), "{name}: not routed to one shard:\n{plan}");
+        assert!(
+            plan.contains("Citus Adaptive"),
+            "{name}: not a Citus plan:\n{plan}"
+        );
+        assert!(
+            plan.contains("Task Count: 1"),
+            "{name}: not routed to one shard:\n{plan}"
+        );
     }
     // The sweeper's form runs (on every shard): Citus accepts it.
     let sweep = task_count(&c, "sweep", &src("sweep_citus.sql"), "100, NULL").await;
@@ -250,9 +279,15 @@ async fn new_keys_replays_conflicts_and_mismatches_through_the_coordinator() {
         assert_eq!(h.upstream.executions(&key), 1);
         ports.insert(citus::worker_port_of(&c, &schema.name, &key).await);
     }
-    assert_eq!(ports.len(), 2, "one tenant's keys are on both workers: {ports:?}");
+    assert_eq!(
+        ports.len(),
+        2,
+        "one tenant's keys are on both workers: {ports:?}"
+    );
 
-    let other = h.post("/v1/payments", "k-req-0", r#"{"amount": 999}"#).await;
+    let other = h
+        .post("/v1/payments", "k-req-0", r#"{"amount": 999}"#)
+        .await;
     other.assert_problem(422, "key-reused");
 
     let client = h.client.clone();
@@ -314,11 +349,20 @@ async fn takeover_renewal_and_reclaim_work_on_the_shards() {
     let rk = record_key("tenant-a", "k-sm");
     let first = OwnerToken::mint();
     let claimed = store
-        .claim(&rk, &fp, first, Duration::from_millis(300), Duration::from_secs(3600))
+        .claim(
+            &rk,
+            &fp,
+            first,
+            Duration::from_millis(300),
+            Duration::from_secs(3600),
+        )
         .await
         .unwrap();
     assert!(matches!(claimed, ClaimResult::Claimed(c) if c.attempt == 1));
-    assert!(store.renew(&rk, first, Duration::from_millis(300)).await.unwrap());
+    assert!(store
+        .renew(&rk, first, Duration::from_millis(300))
+        .await
+        .unwrap());
     let c = h.db.client().await;
     support::poll_until(Duration::from_secs(10), "the lease to run out", || async {
         let expired: bool = c
@@ -352,7 +396,10 @@ async fn takeover_renewal_and_reclaim_work_on_the_shards() {
         .expect("the expired lease is taken over");
     assert_eq!(took.attempt, 2);
     assert!(
-        !store.renew(&rk, first, Duration::from_secs(5)).await.unwrap(),
+        !store
+            .renew(&rk, first, Duration::from_secs(5))
+            .await
+            .unwrap(),
         "the old owner is fenced out"
     );
     let renewed = store
@@ -378,11 +425,14 @@ async fn takeover_renewal_and_reclaim_work_on_the_shards() {
         headers: vec![("content-type".into(), "text/plain".into())],
         body: Some("done".into()),
     };
-    assert!(store
-        .complete(&rk, first, &response, Duration::from_millis(1), None)
-        .await
-        .unwrap()
-        .is_none(), "the old owner cannot complete");
+    assert!(
+        store
+            .complete(&rk, first, &response, Duration::from_millis(1), None)
+            .await
+            .unwrap()
+            .is_none(),
+        "the old owner cannot complete"
+    );
     assert!(store
         .complete(&rk, second, &response, Duration::from_millis(1), Some("id"))
         .await
@@ -424,7 +474,9 @@ async fn a_waiting_duplicate_on_another_replica_is_woken_by_the_coordinators_not
     // One key on each worker: the notification must come from the
     // coordinator whichever worker wrote the row.
     for port in &ports {
-        let key = keys_on(&c, &schema.name, "k-wait", *port, 1).await.remove(0);
+        let key = keys_on(&c, &schema.name, "k-wait", *port, 1)
+            .await
+            .remove(0);
         let client = h.client.clone();
         let url = h.url("/v1/payments");
         let k = key.clone();
@@ -452,7 +504,10 @@ async fn a_waiting_duplicate_on_another_replica_is_woken_by_the_coordinators_not
         assert_eq!(dup.status, 201, "{}", dup.text());
         assert!(dup.replayed());
         // The lease is 5 s: only a push explains an early wake-up.
-        assert!(waited < Duration::from_millis(3000), "{key} on {port}: {waited:?}");
+        assert!(
+            waited < Duration::from_millis(3000),
+            "{key} on {port}: {waited:?}"
+        );
         assert_eq!(h.upstream.executions(&key), 1);
     }
     b.shutdown().await;
@@ -490,7 +545,11 @@ async fn sweep_and_the_keys_commands_work_on_the_cluster() {
 
     let out = idemproxy(&["sweep"], &env).await;
     assert_eq!(out.code, Some(0), "{}", out.both());
-    assert!(out.stdout.contains("deleted 6 expired record(s)"), "{}", out.both());
+    assert!(
+        out.stdout.contains("deleted 6 expired record(s)"),
+        "{}",
+        out.both()
+    );
     assert_eq!(h.record_count().await, 2);
 
     let list = idemproxy(&["keys", "list", "--state", "in-flight"], &env).await;
@@ -500,9 +559,19 @@ async fn sweep_and_the_keys_commands_work_on_the_cluster() {
 
     let show = idemproxy(&["keys", "show", "--tenant", "", "--key", "k-kept"], &env).await;
     assert_eq!(show.code, Some(0), "{}", show.both());
-    assert!(show.stdout.contains("state:           completed"), "{}", show.both());
+    assert!(
+        show.stdout.contains("state:           completed"),
+        "{}",
+        show.both()
+    );
 
-    let release = idemproxy(&["keys", "release", "--tenant", "", "--key", "k-stuck", "--yes"], &env).await;
+    let release = idemproxy(
+        &[
+            "keys", "release", "--tenant", "", "--key", "k-stuck", "--yes",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(release.code, Some(0), "{}", release.both());
     assert_eq!(h.record_state("", "k-stuck").await, None);
     // The released key is free again.
@@ -534,7 +603,11 @@ async fn a_stopped_worker_fails_its_keys_closed_and_heals_without_a_proxy_restar
         for key in &down[1..] {
             let r = h.post("/v1/payments", key, PAY).await;
             r.assert_problem(503, "store-unavailable");
-            assert_eq!(h.upstream.executions(key), 0, "fail closed: {key} not forwarded");
+            assert_eq!(
+                h.upstream.executions(key),
+                0,
+                "fail closed: {key} not forwarded"
+            );
         }
         for key in &up {
             let r = h.post("/v1/payments", key, PAY).await;
@@ -549,14 +622,18 @@ async fn a_stopped_worker_fails_its_keys_closed_and_heals_without_a_proxy_restar
     }
 
     // Healed, same proxy: the worker's keys work again.
-    support::poll_until(Duration::from_secs(30), "the worker's keys to work again", || async {
-        let r = h.post("/v1/payments", &down[1], PAY).await;
-        if r.status == 201 {
-            Ok(())
-        } else {
-            Err(format!("{} {}", r.status, r.text()))
-        }
-    })
+    support::poll_until(
+        Duration::from_secs(30),
+        "the worker's keys to work again",
+        || async {
+            let r = h.post("/v1/payments", &down[1], PAY).await;
+            if r.status == 201 {
+                Ok(())
+            } else {
+                Err(format!("{} {}", r.status, r.text()))
+            }
+        },
+    )
     .await;
     for key in &down[2..] {
         let r = h.post("/v1/payments", key, PAY).await;

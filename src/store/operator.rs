@@ -89,10 +89,7 @@ impl Store {
                 &sql::SWEEP
             };
             conn.batch_execute(sql::SWEEP_BEGIN).await?;
-            let row = match conn
-                .query_one(sweep, &[&i64::from(limit), &from])
-                .await
-            {
+            let row = match conn.query_one(sweep, &[&i64::from(limit), &from]).await {
                 Ok(row) => row,
                 Err(e) => {
                     // Inside a failed transaction: not to be handed on.

@@ -58,10 +58,7 @@ impl Store {
                     None => {
                         let conn = self.conn().await?;
                         let citus = self.citus(&conn).await?;
-                        exec_claims(&conn, vec![item], citus)
-                            .await?
-                            .pop()
-                            .flatten()
+                        exec_claims(&conn, vec![item], citus).await?.pop().flatten()
                     }
                 };
                 if let Some(result) = out {
@@ -503,10 +500,10 @@ async fn exec_completions(
             .iter()
             .zip(&out)
             .filter_map(|(item, done)| done.and(item.notify.as_ref()));
-        for r in futures_util::future::join_all(notes.map(|id| async move {
-            conn.query(&sql::NOTIFY, &[id]).await
-        }))
-            .await
+        for r in futures_util::future::join_all(
+            notes.map(|id| async move { conn.query(&sql::NOTIFY, &[id]).await }),
+        )
+        .await
         {
             r?;
         }
