@@ -613,6 +613,9 @@ async fn a_stopped_worker_fails_its_keys_closed_and_heals_without_a_proxy_restar
             let r = h.post("/v1/payments", key, PAY).await;
             assert_eq!(r.status, 201, "{key} on the live worker: {}", r.text());
         }
+        // The schema check reads the coordinator only.
+        let ready = h.client.send(Req::get(&h.admin_url("/readyz/store"))).await;
+        assert_eq!(ready.status, 200, "{}", ready.text());
     };
     // Restart the worker even when an assertion failed.
     let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(healed)).await;
