@@ -27,9 +27,11 @@
 //! database, detected once per store: [`Flavor`]) the records table is
 //! distributed by `idempotency_key` ([`migrate`]) and every statement of the
 //! request path filters by the whole primary key, so the coordinator routes
-//! it to the one shard of its key. Three forms differ there
+//! it to the one shard of its key. Four forms differ there
 //! (docs/scale-out.md):
 //!
+//! * a claim is an insert and a read pipelined (Citus runs claim.sql's
+//!   modifying CTE in steps, each a round trip to the worker);
 //! * batches (claims, completions, renewals) are sent as single-row
 //!   statements pipelined on one connection, each committing on its own
 //!   shard, instead of one statement or transaction spanning shards;
