@@ -17,6 +17,17 @@
 //! know to run against it; the version table keeps that number, so a
 //! binary that meets a schema migrated by a *later* release can tell
 //! whether it still fits ([`Status`], `idemproxy migrate --status`).
+//!
+//! # Citus
+//!
+//! On a Citus coordinator (the `citus` extension installed in the
+//! database) every run also makes sure the records table is distributed
+//! by `idempotency_key` ([`distribute`]), in the same transaction under the
+//! same lock: a fresh table when the first migration just created it, an
+//! existing one (data included: `create_distributed_table` copies it to the
+//! shards) when the extension arrived later. Not a numbered migration: the
+//! schema is the same everywhere, only its placement differs, and a
+//! database may gain the extension after every migration ran.
 use sha2::{Digest, Sha256};
 use tokio_postgres::Client;
 
@@ -112,8 +123,67 @@ pub async fn run(client: &mut Client) -> Result<Vec<i32>, StoreError> {
         .await?;
         done.push(m.version);
     }
+    if distribute(&tx).await? {
+        tracing::info!(
+            table = RECORDS_TABLE,
+            column = DISTRIBUTION_COLUMN,
+            "Citus: distributed the records table over the workers"
+        );
+    }
     tx.commit().await?;
     Ok(done)
+}
+
+/// The table [`distribute`] distributes.
+pub const RECORDS_TABLE: &str = "idempotency_records";
+
+/// Its distribution column on Citus. The primary key is `(tenant_id,
+/// idempotency_key)` and Citus wants the distribution column in every
+/// unique index, so either column qualifies; the key spreads every
+/// tenant's keys (a deployment without tenants has only `""`) over all
+/// shards, where `tenant_id` would put a tenant on one shard. Every
+/// statement of the request path filters by both columns, so each is
+/// routed to one shard either way (docs/scale-out.md).
+pub const DISTRIBUTION_COLUMN: &str = "idempotency_key";
+
+/// On a Citus coordinator, distributes the records table by
+/// [`DISTRIBUTION_COLUMN`] unless it already is; `true` when it did.
+/// Nothing on plain PostgreSQL. Runs inside the migration transaction,
+/// under its advisory lock, so replicas starting at once distribute once.
+async fn distribute(tx: &tokio_postgres::Transaction<'_>) -> Result<bool, StoreError> {
+    let citus: bool = tx
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !citus {
+        return Ok(false);
+    }
+    let distributed: bool = tx
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_dist_partition
+              WHERE logicalrelid = to_regclass($1))",
+            &[&RECORDS_TABLE],
+        )
+        .await?
+        .get(0);
+    if distributed {
+        return Ok(false);
+    }
+    tx.execute(
+        "SELECT create_distributed_table($1::text::regclass, $2)",
+        &[&RECORDS_TABLE, &DISTRIBUTION_COLUMN],
+    )
+    .await
+    .map_err(|e| {
+        StoreError::Migration(format!(
+            "distributing {RECORDS_TABLE} by {DISTRIBUTION_COLUMN} on Citus: {}",
+            super::describe_db_error(&e)
+        ))
+    })?;
+    Ok(true)
 }
 
 /// A row of the version table.

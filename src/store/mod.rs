@@ -20,6 +20,26 @@
 //! The SQL is in `sql/*.sql` ([`sql`]); the claim and completion paths in
 //! `records`, batched by [`group_commit`]; the operators' statements in
 //! `operator`; the schema in [`migrate`].
+//!
+//! # Citus
+//!
+//! On a Citus coordinator (the `citus` extension installed in the
+//! database, detected once per store: [`Flavor`]) the records table is
+//! distributed by `idempotency_key` ([`migrate`]) and every statement of the
+//! request path filters by the whole primary key, so the coordinator routes
+//! it to the one shard of its key. Four forms differ there
+//! (docs/scale-out.md):
+//!
+//! * a claim is an insert and a read pipelined (Citus runs claim.sql's
+//!   modifying CTE in steps, each a round trip to the worker);
+//! * batches (claims, completions, renewals) are sent as single-row
+//!   statements pipelined on one connection, each committing on its own
+//!   shard, instead of one statement or transaction spanning shards;
+//! * notifications are sent by the coordinator session after the write (a
+//!   `pg_notify` inside a routed statement runs on the worker, whose
+//!   listeners are not ours);
+//! * the sweeper deletes by key without row locks (Citus refuses `FOR
+//!   UPDATE` over several shards).
 
 mod conn;
 pub mod group_commit;
@@ -161,6 +181,24 @@ pub struct Store {
     direct: Arc<Connector>,
     timeout: Duration,
     prepared: bool,
+    flavor: Arc<Flavor>,
+}
+
+/// Plain PostgreSQL or a Citus coordinator, asked on first use and kept
+/// (the extension is not dropped under a running proxy).
+#[derive(Debug, Default)]
+pub(crate) struct Flavor(std::sync::OnceLock<bool>);
+
+impl Flavor {
+    /// Whether `conn`'s database is a Citus coordinator.
+    pub(crate) async fn citus(&self, conn: &Conn) -> Result<bool, StoreError> {
+        if let Some(&citus) = self.0.get() {
+            return Ok(citus);
+        }
+        let citus: bool = conn.query_one(&sql::IS_CITUS, &[]).await?.get(0);
+        let _ = self.0.set(citus);
+        Ok(citus)
+    }
 }
 
 fn millis(d: Duration) -> i64 {
@@ -186,13 +224,15 @@ impl Store {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(|e| StoreError::Pool(e.to_string()))?;
-        let batch = records::Batchers::start(&pool, config);
+        let flavor = Arc::new(Flavor::default());
+        let batch = records::Batchers::start(&pool, config, &flavor);
         Ok(Store {
             pool,
             batch,
             direct,
             timeout: config.timeout,
             prepared: config.prepared_statements,
+            flavor,
         })
     }
 
@@ -240,6 +280,11 @@ impl Store {
 
     async fn conn(&self) -> Result<Conn, StoreError> {
         checkout(&self.pool, self.prepared).await
+    }
+
+    /// Whether the store is a Citus coordinator (asked over `conn` once).
+    async fn citus(&self, conn: &Conn) -> Result<bool, StoreError> {
+        self.flavor.citus(conn).await
     }
 
     /// Applies pending migrations, over a direct connection (`listen_url`):

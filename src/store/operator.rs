@@ -83,11 +83,13 @@ impl Store {
     ) -> Result<SweepBatch, StoreError> {
         self.bounded(async {
             let conn = self.conn().await?;
+            let sweep = if self.citus(&conn).await? {
+                &sql::SWEEP_CITUS
+            } else {
+                &sql::SWEEP
+            };
             conn.batch_execute(sql::SWEEP_BEGIN).await?;
-            let row = match conn
-                .query_one(&sql::SWEEP, &[&i64::from(limit), &from])
-                .await
-            {
+            let row = match conn.query_one(sweep, &[&i64::from(limit), &from]).await {
                 Ok(row) => row,
                 Err(e) => {
                     // Inside a failed transaction: not to be handed on.
@@ -181,6 +183,17 @@ impl Store {
         self.bounded(async {
             let conn = self.conn().await?;
             let id = KeyId::of_stored(tenant, key).to_string();
+            if self.citus(&conn).await? {
+                // Routed to the key's worker: notified from here (see
+                // force_release_plain.sql).
+                let row = conn
+                    .query_opt(&sql::FORCE_RELEASE_PLAIN, &[&tenant, &key, &force])
+                    .await?;
+                if row.is_some() {
+                    conn.query(&sql::NOTIFY, &[&id]).await?;
+                }
+                return Ok(row.map(|r| r.get(0)));
+            }
             let row = conn
                 .query_opt(&sql::FORCE_RELEASE, &[&tenant, &key, &force, &id])
                 .await?;

@@ -10,8 +10,8 @@ use tokio_postgres::Row;
 use super::conn::{Conn, Pool};
 use super::group_commit::Batcher;
 use super::{
-    bounded, checkout, millis, sql, Claim, ClaimResult, Existing, Replace, Store, StoreError,
-    StoredResponse,
+    bounded, checkout, millis, sql, Claim, ClaimResult, Existing, Flavor, Replace, Store,
+    StoreError, StoredResponse,
 };
 use crate::config::StoreConfig;
 use crate::idempotency::{Fingerprint, OwnerToken, RecordKey, RecordState, RecordView};
@@ -55,10 +55,11 @@ impl Store {
                 };
                 let out = match &self.batch {
                     Some(b) => b.claims.submit(item).await?,
-                    None => exec_claims(&self.conn().await?, vec![item])
-                        .await?
-                        .pop()
-                        .flatten(),
+                    None => {
+                        let conn = self.conn().await?;
+                        let citus = self.citus(&conn).await?;
+                        exec_claims(&conn, vec![item], citus).await?.pop().flatten()
+                    }
                 };
                 if let Some(result) = out {
                     return Ok(result);
@@ -150,10 +151,14 @@ impl Store {
             };
             match &self.batch {
                 Some(b) => b.completions.submit(item).await,
-                None => Ok(exec_completions(&self.conn().await?, vec![item])
-                    .await?
-                    .pop()
-                    .flatten()),
+                None => {
+                    let conn = self.conn().await?;
+                    let citus = self.citus(&conn).await?;
+                    Ok(exec_completions(&conn, vec![item], citus)
+                        .await?
+                        .pop()
+                        .flatten())
+                }
             }
         })
         .await
@@ -181,6 +186,26 @@ impl Store {
     pub async fn renew_batch(&self, items: &[RenewItem]) -> Result<Vec<bool>, StoreError> {
         self.bounded(async {
             let conn = self.conn().await?;
+            if self.citus(&conn).await? {
+                let conn = &conn;
+                // One routed statement per claim, pipelined; each commits
+                // alone on its shard, so no lock order spans them.
+                // Renewed, or completed by us meanwhile: still ours.
+                let rows = futures_util::future::join_all(items.iter().map(|i| async move {
+                    let (renewed, owned) = futures_util::future::join(
+                        conn.query_opt(&sql::RENEW, &[&i.tenant, &i.key, &i.owner, &i.lease_ms]),
+                        conn.query_opt(&sql::OWNED, &[&i.tenant, &i.key, &i.owner]),
+                    )
+                    .await;
+                    renewed?;
+                    owned
+                }))
+                .await;
+                return rows
+                    .into_iter()
+                    .map(|r| r.map(|row| row.is_some()))
+                    .collect();
+            }
             let tenants: Vec<&str> = items.iter().map(|i| i.tenant.as_str()).collect();
             let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
             let owners: Vec<uuid::Uuid> = items.iter().map(|i| i.owner).collect();
@@ -216,6 +241,15 @@ impl Store {
                     conn.execute(&sql::RELEASE, &[&tenant, &key, &owner])
                         .await?
                 }
+                Some(id) if self.citus(&conn).await? => {
+                    let n = conn
+                        .execute(&sql::RELEASE, &[&tenant, &key, &owner])
+                        .await?;
+                    if n == 1 {
+                        conn.query(&sql::NOTIFY, &[&id]).await?;
+                    }
+                    n
+                }
                 Some(id) => conn
                     .query(&sql::RELEASE_NOTIFY, &[&tenant, &key, &owner, &id])
                     .await?
@@ -240,22 +274,31 @@ impl Batchers {
     /// batch is bounded by `store.timeout` like any statement: a worker stuck
     /// on a frozen primary gives up, and its connection is closed. `None`
     /// outside a tokio runtime (then every statement goes alone).
-    pub(super) fn start(pool: &Pool, config: &StoreConfig) -> Option<Arc<Batchers>> {
+    pub(super) fn start(
+        pool: &Pool,
+        config: &StoreConfig,
+        flavor: &Arc<Flavor>,
+    ) -> Option<Arc<Batchers>> {
         tokio::runtime::Handle::try_current().ok()?;
         let workers = (config.pool_size / 4).max(1);
         let (timeout, prepared) = (config.timeout, config.prepared_statements);
         let (p1, p2) = (pool.clone(), pool.clone());
+        let (f1, f2) = (flavor.clone(), flavor.clone());
         Some(Arc::new(Batchers {
             claims: Batcher::start(workers, MAX_BATCH, move |items| {
-                let pool = p1.clone();
+                let (pool, flavor) = (p1.clone(), f1.clone());
                 bounded(timeout, async move {
-                    exec_claims(&checkout(&pool, prepared).await?, items).await
+                    let conn = checkout(&pool, prepared).await?;
+                    let citus = flavor.citus(&conn).await?;
+                    exec_claims(&conn, items, citus).await
                 })
             }),
             completions: Batcher::start(workers, MAX_BATCH, move |items| {
-                let pool = p2.clone();
+                let (pool, flavor) = (p2.clone(), f2.clone());
                 bounded(timeout, async move {
-                    exec_completions(&checkout(&pool, prepared).await?, items).await
+                    let conn = checkout(&pool, prepared).await?;
+                    let citus = flavor.citus(&conn).await?;
+                    exec_completions(&conn, items, citus).await
                 })
             }),
         }))
@@ -305,28 +348,27 @@ struct CompleteItem {
     notify: Option<String>,
 }
 
-/// Runs a batch of claims as one statement. `None` for an item: neither
-/// claimed nor visible yet (retry).
+/// Runs a batch of claims as one statement (on Citus: one routed
+/// statement per claim, pipelined on the connection). `None` for an item:
+/// neither claimed nor visible yet (retry).
 async fn exec_claims(
     conn: &Conn,
     items: Vec<ClaimItem>,
+    citus: bool,
 ) -> Result<Vec<Option<ClaimResult>>, StoreError> {
+    let one = |item| claim_one(conn, item, citus);
     if let [item] = &items[..] {
         // Alone (light load): the plain single-key statement.
-        let rows = conn
-            .query(
-                &sql::CLAIM,
-                &[
-                    &item.tenant,
-                    &item.key,
-                    &&item.fingerprint[..],
-                    &item.owner,
-                    &item.lease_ms,
-                    &item.retention_ms,
-                ],
-            )
-            .await?;
-        return Ok(vec![rows.first().map(claim_result).transpose()?]);
+        return Ok(vec![one(item).await?]);
+    }
+    if citus {
+        // A statement over many keys spans shards: the coordinator would
+        // plan it across every worker. Each claim alone is routed to its
+        // shard; pipelined, the batch still costs one round trip here.
+        return futures_util::future::join_all(items.iter().map(one))
+            .await
+            .into_iter()
+            .collect();
     }
     let tenants: Vec<&str> = items.iter().map(|i| i.tenant.as_str()).collect();
     let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
@@ -352,6 +394,43 @@ async fn exec_claims(
     Ok(out)
 }
 
+/// One claim alone: `claim.sql`, or on Citus its two halves pipelined.
+async fn claim_one(
+    conn: &Conn,
+    item: &ClaimItem,
+    citus: bool,
+) -> Result<Option<ClaimResult>, StoreError> {
+    let fp = &item.fingerprint[..];
+    let fp_param: &(dyn tokio_postgres::types::ToSql + Sync) = &fp;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] = [
+        &item.tenant,
+        &item.key,
+        fp_param,
+        &item.owner,
+        &item.lease_ms,
+        &item.retention_ms,
+    ];
+    if citus {
+        // Insert, then read, pipelined: both routed to the key's
+        // shard (claim_insert.sql).
+        let (inserted, read) = futures_util::future::join(
+            conn.query_opt(&sql::CLAIM_INSERT, &params),
+            conn.query_opt(&sql::CLAIM_READ, &params[..3]),
+        )
+        .await;
+        return match (inserted?, read?) {
+            (Some(row), _) => Ok(Some(ClaimResult::Claimed(Claim {
+                owner: OwnerToken::from_uuid(row.get("owner_token")),
+                attempt: row.get("attempt"),
+                lease_expires_at: row.get("lease_expires_at"),
+            }))),
+            (None, read) => read.as_ref().map(claim_result).transpose(),
+        };
+    }
+    let rows = conn.query(&sql::CLAIM, &params).await?;
+    rows.first().map(claim_result).transpose()
+}
+
 /// Runs a batch of completions in one transaction: each row the same
 /// fenced UPDATE as alone, all pipelined (BEGIN, the updates and COMMIT
 /// leave together: one round trip, one commit), in bytewise `(tenant, key)`
@@ -360,6 +439,7 @@ async fn exec_claims(
 async fn exec_completions(
     conn: &Conn,
     items: Vec<CompleteItem>,
+    citus: bool,
 ) -> Result<Vec<Option<SystemTime>>, StoreError> {
     struct Params<'a> {
         tenant: &'a str,
@@ -396,6 +476,7 @@ async fn exec_completions(
             &p.omitted,
         ];
         let stmt = match &p.notify {
+            Some(_) if citus => &sql::COMPLETE,
             Some(id) => {
                 args.push(id);
                 &sql::COMPLETE_NOTIFY
@@ -404,6 +485,30 @@ async fn exec_completions(
         };
         async move { conn.query_opt(stmt, &args).await }
     };
+    if citus {
+        // Each completion alone, routed to its shard and committing there
+        // (a transaction over several shards would commit in two phases),
+        // pipelined; then the notifications, from this coordinator
+        // session: a pg_notify inside the routed statement would run on
+        // the worker, unheard by the replicas listening on the coordinator.
+        let rows = futures_util::future::join_all((0..items.len()).map(run)).await;
+        let mut out = Vec::with_capacity(items.len());
+        for row in rows {
+            out.push(row?.map(|r| r.get::<_, SystemTime>(0)));
+        }
+        let notes = items
+            .iter()
+            .zip(&out)
+            .filter_map(|(item, done)| done.and(item.notify.as_ref()));
+        for r in futures_util::future::join_all(
+            notes.map(|id| async move { conn.query(&sql::NOTIFY, &[id]).await }),
+        )
+        .await
+        {
+            r?;
+        }
+        return Ok(out);
+    }
     if items.len() == 1 {
         let row = run(0).await?;
         return Ok(vec![row.map(|r| r.get(0))]);

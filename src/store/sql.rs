@@ -154,6 +154,62 @@ pub(crate) const FORCE_RELEASE: Sql = Sql {
     types: &[Type::TEXT, Type::TEXT, Type::BOOL, Type::TEXT],
 };
 
+/// Whether the database is a Citus coordinator: the extension is installed
+/// in it. Asked once per store (see `Flavor`).
+pub(crate) const IS_CITUS: Sql = Sql {
+    text: "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
+    types: &[],
+};
+
+/// [`CLAIM`]'s insert alone (Citus: routed to one shard).
+pub(crate) const CLAIM_INSERT: Sql = Sql {
+    text: include_str!("sql/claim_insert.sql"),
+    types: &[
+        Type::TEXT,
+        Type::TEXT,
+        Type::BYTEA,
+        Type::UUID,
+        Type::INT8,
+        Type::INT8,
+    ],
+};
+
+/// [`CLAIM`]'s read alone (Citus: routed to one shard).
+pub(crate) const CLAIM_READ: Sql = Sql {
+    text: include_str!("sql/claim_read.sql"),
+    types: &[Type::TEXT, Type::TEXT, Type::BYTEA],
+};
+
+/// [`RENEW_BATCH`] for one claim: the single-shard form used on Citus.
+pub(crate) const RENEW: Sql = Sql {
+    text: include_str!("sql/renew.sql"),
+    types: &[Type::TEXT, Type::TEXT, Type::UUID, Type::INT8],
+};
+
+/// Whether a record is still ours (Citus: after [`RENEW`]).
+pub(crate) const OWNED: Sql = Sql {
+    text: include_str!("sql/owned.sql"),
+    types: &[Type::TEXT, Type::TEXT, Type::UUID],
+};
+
+/// [`FORCE_RELEASE`] without its notification (Citus: see the file).
+pub(crate) const FORCE_RELEASE_PLAIN: Sql = Sql {
+    text: include_str!("sql/force_release_plain.sql"),
+    types: &[Type::TEXT, Type::TEXT, Type::BOOL],
+};
+
+/// A key's id on the channel, from the coordinator session (Citus).
+pub(crate) const NOTIFY: Sql = Sql {
+    text: include_str!("sql/notify.sql"),
+    types: &[Type::TEXT],
+};
+
+/// [`SWEEP`] in a form Citus runs (no row locks, no ctid).
+pub(crate) const SWEEP_CITUS: Sql = Sql {
+    text: include_str!("sql/sweep_citus.sql"),
+    types: &[Type::INT8, Type::TIMESTAMPTZ],
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +248,14 @@ mod tests {
             &SHOW,
             &LIST,
             &FORCE_RELEASE,
+            &IS_CITUS,
+            &CLAIM_INSERT,
+            &CLAIM_READ,
+            &RENEW,
+            &OWNED,
+            &FORCE_RELEASE_PLAIN,
+            &NOTIFY,
+            &SWEEP_CITUS,
         ] {
             assert_eq!(placeholders(sql.text), sql.types.len(), "{}", sql.text);
         }
@@ -210,12 +274,63 @@ mod tests {
 
     #[test]
     fn notifications_go_to_the_one_channel() {
-        for sql in [&COMPLETE_NOTIFY, &RELEASE_NOTIFY, &FORCE_RELEASE] {
+        for sql in [&COMPLETE_NOTIFY, &RELEASE_NOTIFY, &FORCE_RELEASE, &NOTIFY] {
             assert!(
                 sql.text.contains(&format!("pg_notify('{CHANNEL}'")),
                 "{}",
                 sql.text
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod citus_tests {
+    use super::*;
+
+    /// The single-shard forms filter by the whole primary key, so that
+    /// Citus routes each to the one shard of the key (`tests/citus.rs`
+    /// checks the plans on a real cluster).
+    #[test]
+    fn the_citus_forms_filter_by_the_whole_key_and_never_lock_rows_over_shards() {
+        for sql in [&CLAIM_READ, &RENEW, &OWNED, &FORCE_RELEASE_PLAIN] {
+            assert!(
+                sql.text
+                    .contains("WHERE tenant_id = $1 AND idempotency_key = $2"),
+                "{}",
+                sql.text
+            );
+        }
+        for sql in [
+            &CLAIM_INSERT,
+            &CLAIM_READ,
+            &RENEW,
+            &OWNED,
+            &FORCE_RELEASE_PLAIN,
+        ] {
+            let code = code_of(sql.text);
+            assert!(!code.contains("WITH "), "{code}");
+        }
+        for sql in [
+            &CLAIM_INSERT,
+            &CLAIM_READ,
+            &RENEW,
+            &OWNED,
+            &FORCE_RELEASE_PLAIN,
+            &SWEEP_CITUS,
+        ] {
+            let code = code_of(sql.text);
+            for refused in ["FOR UPDATE", "pg_notify", "ctid"] {
+                assert!(!code.contains(refused), "{refused} in {code}");
+            }
+        }
+    }
+
+    /// The statement without its comment lines.
+    fn code_of(text: &str) -> String {
+        text.lines()
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 }

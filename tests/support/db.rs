@@ -122,6 +122,12 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
+        // Only the databases of this module (and of unique_database_name)
+        // are dropped: a TestDb on a schema of a shared database (the
+        // Citus tests) leaves that database alone.
+        if !self.name.starts_with("idemproxy_test_") {
+            return;
+        }
         let name = self.name.clone();
         // Drop runs inside the test's runtime: use a thread of our own.
         let _ = std::thread::spawn(move || {

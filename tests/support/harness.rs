@@ -152,7 +152,12 @@ pub struct Harness {
 
 impl Harness {
     pub async fn start(setup: Setup) -> Harness {
-        let db = TestDb::new().await;
+        Harness::start_on(setup, TestDb::new().await).await
+    }
+
+    /// [`Harness::start`] on a database the caller made (the Citus tests:
+    /// a schema of their own on the cluster, see [`super::citus`]).
+    pub async fn start_on(setup: Setup, db: TestDb) -> Harness {
         let (upstream, stop) = start_upstream().await;
         let running = start_proxy(&setup, &upstream.url(), &db.url, true).await;
         Harness {

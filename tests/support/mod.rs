@@ -12,7 +12,8 @@
 //!   restart: [`process`] (any child, ports, directories),
 //!   [`upstream_proc`] (`sample-upstream`), [`proxy_proc`] (`idemproxy
 //!   serve`).
-//! * Around them: private PostgreSQL clusters ([`pgcluster`]), a real
+//! * Around them: the local Citus cluster and a schema per test on it
+//!   ([`citus`]), private PostgreSQL clusters ([`pgcluster`]), a real
 //!   PgBouncer ([`pgbouncer`]), a TCP link whose latency a test can turn up
 //!   ([`slowlink`]), the seeded chaos driver and checker ([`chaos`]), a
 //!   seeded generator ([`rng`]), and a throwaway PKI ([`tls_fixtures`]).
@@ -25,6 +26,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod chaos;
+pub mod citus;
 pub mod cli;
 pub mod db;
 pub mod harness;
