@@ -307,6 +307,23 @@ async fn new_keys_replays_conflicts_and_mismatches_through_the_coordinator() {
         .await
         .assert_problem(409, "request-in-progress");
     assert_eq!(slow.await.unwrap().status, 201);
+
+    // With the default sslmode (prefer): Citus turns TLS on in every node
+    // with a self-signed X.509 v1 certificate, and the proxy's sessions on
+    // the coordinator use it.
+    assert!(!h.db.url.contains("sslmode"), "{}", h.db.url);
+    let row = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE s.ssl), count(*)
+               FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+              WHERE a.application_name = 'idemproxy' AND a.datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (tls, all): (i64, i64) = (row.get(0), row.get(1));
+    assert!(all > 0, "no idemproxy session on the coordinator");
+    assert_eq!(tls, all, "idemproxy sessions without TLS on the coordinator");
 }
 
 #[tokio::test]
