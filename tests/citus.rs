@@ -323,7 +323,10 @@ async fn new_keys_replays_conflicts_and_mismatches_through_the_coordinator() {
         .unwrap();
     let (tls, all): (i64, i64) = (row.get(0), row.get(1));
     assert!(all > 0, "no idemproxy session on the coordinator");
-    assert_eq!(tls, all, "idemproxy sessions without TLS on the coordinator");
+    assert_eq!(
+        tls, all,
+        "idemproxy sessions without TLS on the coordinator"
+    );
 }
 
 #[tokio::test]
