@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 
 use tokio::sync::RwLock;
 
-use super::db::{connect, TestDb};
+use super::db::{connect, execute_blocking, TestDb};
 
 /// The coordinator's URL, or `None` (outside CI) after saying why the test
 /// does not run.
@@ -111,20 +111,10 @@ pub struct Schema {
 
 impl Drop for Schema {
     fn drop(&mut self) {
-        let (cluster, name) = (self.cluster.clone(), self.name.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let c = connect(&cluster).await;
-                let _ = c
-                    .batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
-                    .await;
-            });
-        })
-        .join();
+        execute_blocking(
+            self.cluster.clone(),
+            format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name),
+        );
     }
 }
 

@@ -128,22 +128,27 @@ impl Drop for TestDb {
         if !self.name.starts_with("idemproxy_test_") {
             return;
         }
-        let name = self.name.clone();
-        // Drop runs inside the test's runtime: use a thread of our own.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let admin = admin_client().await;
-                let _ = admin
-                    .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                    .await;
-            });
-        })
-        .join();
+        execute_blocking(
+            admin_url(),
+            format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name),
+        );
     }
+}
+
+/// Runs `sql` on `url` to completion, ignoring its error, from anywhere a
+/// test cannot await (a `Drop` inside the test's runtime): on a thread and
+/// runtime of its own.
+pub fn execute_blocking(url: String, sql: String) {
+    let _ = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let _ = connect(&url).await.batch_execute(&sql).await;
+        });
+    })
+    .join();
 }
 
 pub async fn connect(url: &str) -> tokio_postgres::Client {
