@@ -128,6 +128,12 @@ pub fn escaped(value: &[u8], max: usize) -> String {
     out
 }
 
+/// Whether the access line is logged at all (`idemproxy::access` at
+/// `info`): when it is not, the request path wraps no body to count for it.
+pub(super) fn enabled() -> bool {
+    tracing::enabled!(target: "idemproxy::access", tracing::Level::INFO)
+}
+
 /// How many request body bytes were read.
 pub(super) enum RequestBytes {
     /// Known up front (a buffered keyed body, or none read).

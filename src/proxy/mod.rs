@@ -267,10 +267,14 @@ impl Proxy {
         // Labelled by the route that covers the path, keyed method or not.
         let route_label = matched.map_or("unrouted", |r| r.name.as_str());
         let handled = match self.admit(matched, req, client).await {
-            Admission::PassThrough(req) => {
+            Admission::PassThrough(req) if access::enabled() => {
                 let read = Arc::new(AtomicU64::new(0));
                 line.request_bytes = RequestBytes::Counted(read.clone());
                 let req = req.map(|b| Counted::new(b, read).boxed());
+                self.pass_through(req, client).await
+            }
+            Admission::PassThrough(req) => {
+                let req = req.map(|b| b.map_err(BoxError::from).boxed());
                 self.pass_through(req, client).await
             }
             Admission::Refused(h) => h,
@@ -311,6 +315,10 @@ impl Proxy {
         response
             .headers_mut()
             .insert(REQUEST_ID, line.request_id.clone());
+        if !access::enabled() {
+            // Nobody reads the line: no counting body around the answer.
+            return response;
+        }
         line.outcome = outcome;
         line.status = status;
         response.map(|body| Logged::new(body, line).boxed())
