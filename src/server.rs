@@ -28,7 +28,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -96,12 +96,13 @@ impl Handler for Proxy {
         // client (see `lifecycle`). The drain waits for these tasks.
         // Pass-through requests own nothing: they run inline, sparing the
         // hot path a task per request.
-        if !self.may_claim(&req) {
-            return self.handle(req, client).await;
+        let routing = self.routing(&req);
+        if !self.may_claim(&req, &routing) {
+            return self.handle(req, client, routing).await;
         }
         let lifecycle = self.lifecycle().clone();
         match lifecycle
-            .spawn_work(async move { self.handle(req, client).await })
+            .spawn_work(async move { self.handle(req, client, routing).await })
             .await
         {
             Ok(response) => response,
@@ -252,41 +253,61 @@ impl Refusals {
     }
 }
 
-/// Requests in progress on one connection, and a wake-up when that changes.
-#[derive(Default)]
+/// Requests in progress on one connection, and when the last one ended.
+///
+/// Kept with two atomics and no wake-up: a request's start and end touch
+/// no lock and wake no task. The idle clock instead checks, when its timer
+/// fires, whether the connection really was idle that long, and if not
+/// sets itself for the moment it would be.
 struct Activity {
     active: AtomicUsize,
-    changed: Notify,
+    /// When the last request ended (or the connection opened), as
+    /// nanoseconds since `epoch`.
+    last_end: AtomicU64,
+    epoch: tokio::time::Instant,
 }
 
 impl Activity {
+    fn new() -> Self {
+        Activity {
+            active: AtomicUsize::new(0),
+            last_end: AtomicU64::new(0),
+            epoch: tokio::time::Instant::now(),
+        }
+    }
+
     /// Counts a request in progress until the guard is dropped (when the
     /// handler has produced the response head; a body still streaming is
     /// left to hyper's graceful shutdown, which finishes it).
     fn begin(self: &Arc<Self>) -> impl Drop + Send {
         self.active.fetch_add(1, Ordering::SeqCst);
-        self.changed.notify_waiters();
         scopeguard::guard(self.clone(), |a| {
+            let since = tokio::time::Instant::now().saturating_duration_since(a.epoch);
+            // Stored before the count drops: a check that sees no request
+            // in progress sees this end too.
+            a.last_end
+                .fetch_max(since.as_nanos() as u64, Ordering::SeqCst);
             a.active.fetch_sub(1, Ordering::SeqCst);
-            a.changed.notify_waiters();
         })
     }
 
     /// Resolves once no request has been in progress for `timeout`.
     async fn idle_for(&self, timeout: Duration) {
+        let mut deadline = self.epoch + timeout;
         loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            // Registered before the count is read: no change is missed.
-            changed.as_mut().enable();
-            if self.active.load(Ordering::SeqCst) == 0 {
-                tokio::select! {
-                    () = tokio::time::sleep(timeout) => return,
-                    () = changed => {}
-                }
-            } else {
-                changed.await;
+            tokio::time::sleep_until(deadline).await;
+            let now = tokio::time::Instant::now();
+            if self.active.load(Ordering::SeqCst) > 0 {
+                // Busy: not idle before a request ends, at the earliest
+                // `timeout` from now.
+                deadline = now + timeout;
+                continue;
             }
+            let last_end = self.epoch + Duration::from_nanos(self.last_end.load(Ordering::SeqCst));
+            if now >= last_end + timeout {
+                return;
+            }
+            deadline = last_end + timeout;
         }
     }
 }
@@ -374,11 +395,12 @@ impl<H: Handler> Connection<H> {
             addr,
             _slot,
         } = self;
-        let client = ClientInfo { addr, proto };
-        let activity = Arc::new(Activity::default());
+        let client = ClientInfo::new(addr, proto);
+        let activity = Arc::new(Activity::new());
         let counted = activity.clone();
         let service = service_fn(move |req| {
             let handler = handler.clone();
+            let client = client.clone();
             let guard = counted.begin();
             async move {
                 let response = handler.call(req, client).await;

@@ -102,7 +102,7 @@ impl Proxy {
         &self,
         matched: Option<&'a Route>,
         req: Request<Incoming>,
-        client: ClientInfo,
+        client: &ClientInfo,
     ) -> Admission<'a> {
         let Some(route) = matched.filter(|r| r.policy.methods.contains(req.method())) else {
             return Admission::PassThrough(req);
@@ -118,11 +118,16 @@ impl Proxy {
             Err(p) => return refused(p),
         };
         let server = &self.config.server;
-        let (parts, body) =
-            match read_body(req, server.max_request_body, server.body_read_timeout).await {
-                Ok(read) => read,
-                Err(p) => return refused(p),
-            };
+        let (parts, body) = match Box::pin(read_body(
+            req,
+            server.max_request_body,
+            server.body_read_timeout,
+        ))
+        .await
+        {
+            Ok(read) => read,
+            Err(p) => return refused(p),
+        };
         let fingerprint = Fingerprint::compute(
             policy.fingerprint,
             parts.method.as_str(),
@@ -137,7 +142,7 @@ impl Proxy {
             fingerprint,
             parts,
             body,
-            client,
+            client: client.clone(),
             timings: Timings::default(),
         })
     }

@@ -60,7 +60,7 @@ impl Proxy {
         let mut req = match self.forward_request(
             &k.parts,
             full(k.body.clone()),
-            k.client,
+            &k.client,
             Some(claim.attempt),
         ) {
             Ok(r) => r,

@@ -28,10 +28,10 @@ impl Proxy {
     pub(super) async fn pass_through(
         &self,
         req: Request<ProxyBody>,
-        client: ClientInfo,
+        client: &ClientInfo,
     ) -> Handled {
         let (parts, body) = req.into_parts();
-        match self.forward_request(&parts, body, client, None) {
+        match self.forward_owned(parts, body, client, None) {
             Ok(req) => self.forward_streaming(req).await,
             Err(e) => Handled::problem(Problem::unforwardable(&e), Outcome::Rejected),
         }
@@ -55,32 +55,57 @@ impl Proxy {
         }
     }
 
-    /// The request as the upstream gets it.
+    /// The request as the upstream gets it (the head copied: a keyed
+    /// request keeps its own for the access line and a later forward).
     pub(super) fn forward_request(
         &self,
         parts: &request::Parts,
         body: ProxyBody,
-        client: ClientInfo,
+        client: &ClientInfo,
+        attempt: Option<i32>,
+    ) -> Result<Request<ProxyBody>, http::Error> {
+        let mut head = Request::new(());
+        *head.method_mut() = parts.method.clone();
+        *head.uri_mut() = parts.uri.clone();
+        *head.headers_mut() = parts.headers.clone();
+        let (head, ()) = head.into_parts();
+        self.forward_owned(head, body, client, attempt)
+    }
+
+    /// The request as the upstream gets it, made from the client's head
+    /// in place.
+    fn forward_owned(
+        &self,
+        parts: request::Parts,
+        body: ProxyBody,
+        client: &ClientInfo,
         attempt: Option<i32>,
     ) -> Result<Request<ProxyBody>, http::Error> {
         let uri = self.upstream.uri_for(parts.uri.path_and_query())?;
-        let mut h = parts.headers.clone();
+        let request::Parts {
+            method,
+            uri: original_uri,
+            headers: mut h,
+            ..
+        } = parts;
         headers::strip_hop_by_hop(&mut h);
         // Only the proxy speaks in a derived-key header: a client's value
         // could name another tenant's key to an upstream that deduplicates
         // on it. Every route's header goes, whatever route (if any) this
         // request took; a keyed forward then sets its own.
-        for route in &self.config.routes {
-            if let Some(name) = &route.policy.derived_key_header {
-                h.remove(name);
-            }
+        for name in &self.derived_key_headers {
+            h.remove(name);
         }
-        let original_host = parts
-            .headers
-            .get(HOST)
-            .and_then(|v| v.to_str().ok())
-            .or_else(|| parts.uri.authority().map(|a| a.as_str()));
-        headers::add_forwarded(&mut h, client.addr.ip(), client.proto, original_host);
+        // What the client addressed (a Host of visible ASCII, else the
+        // authority of an absolute-form target), before Host is replaced.
+        let original_host = match h.get(HOST) {
+            Some(v) if v.to_str().is_ok() => Some(v.clone()),
+            Some(_) => None,
+            None => original_uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok()),
+        };
+        headers::add_forwarded(&mut h, &client.forwarded_for, client.proto, original_host);
         h.insert(HOST, self.upstream.host_header().clone());
         match attempt {
             Some(a) => {
@@ -91,7 +116,7 @@ impl Proxy {
             }
         }
         let mut req = Request::new(body);
-        *req.method_mut() = parts.method.clone();
+        *req.method_mut() = method;
         *req.uri_mut() = uri;
         *req.headers_mut() = h;
         Ok(req)

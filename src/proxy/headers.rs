@@ -20,7 +20,12 @@ const HOP_BY_HOP: [&str; 6] = [
 /// `Connection`).
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     let n = name.as_str();
-    HOP_BY_HOP.contains(&n) || n.starts_with("proxy-")
+    // By length first: this runs for every header of every message.
+    let listed = match n.len() {
+        2 | 7 | 10 | 17 => HOP_BY_HOP.contains(&n),
+        _ => false,
+    };
+    listed || n.starts_with("proxy-")
 }
 
 /// Names listed in the `Connection` header(s).
@@ -36,6 +41,11 @@ fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
 
 /// Removes every hop-by-hop header, including those named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages have none (`Connection` is one itself, so a message
+    // without any names nothing either): one pass, no allocation.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     for name in connection_listed(headers) {
         headers.remove(name);
     }
@@ -61,30 +71,53 @@ pub fn capture(headers: &HeaderMap) -> Vec<(String, Bytes)> {
         .collect()
 }
 
-/// Appends `value` to a possibly repeated, comma-separated header.
-fn append_list(headers: &mut HeaderMap, name: &'static str, value: &str) {
-    let existing: Vec<&str> = headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .collect();
-    let joined = if existing.is_empty() {
-        value.to_owned()
-    } else {
-        format!("{}, {}", existing.join(", "), value)
-    };
-    if let Ok(v) = HeaderValue::from_str(&joined) {
-        headers.insert(HeaderName::from_static(name), v);
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Appends `value` to a possibly repeated, comma-separated header; the
+/// value itself when the header is absent (the common case: no copy).
+fn append_list(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
+    if !headers.contains_key(&name) {
+        headers.insert(name, value);
+        return;
     }
+    let mut joined = Vec::new();
+    for v in headers.get_all(&name).iter().chain([&value]) {
+        // A value with obs-text is kept out, as before: the list stays
+        // a list of visible strings.
+        if v.to_str().is_err() {
+            continue;
+        }
+        if !joined.is_empty() {
+            joined.extend_from_slice(b", ");
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        headers.insert(name, v);
+    }
+}
+
+/// The `X-Forwarded-For` entry of a client address (made once per
+/// connection).
+pub fn forwarded_for(client: IpAddr) -> HeaderValue {
+    HeaderValue::from_str(&client.to_string())
+        .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
 }
 
 /// Adds `X-Forwarded-For`, `-Proto` and `-Host`, appending to what the
 /// client sent.
-pub fn add_forwarded(headers: &mut HeaderMap, client: IpAddr, proto: &str, host: Option<&str>) {
-    append_list(headers, "x-forwarded-for", &client.to_string());
-    append_list(headers, "x-forwarded-proto", proto);
+pub fn add_forwarded(
+    headers: &mut HeaderMap,
+    client: &HeaderValue,
+    proto: &'static str,
+    host: Option<HeaderValue>,
+) {
+    append_list(headers, X_FORWARDED_FOR, client.clone());
+    append_list(headers, X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     if let Some(host) = host {
-        append_list(headers, "x-forwarded-host", host);
+        append_list(headers, X_FORWARDED_HOST, host);
     }
 }
 
@@ -151,13 +184,51 @@ mod tests {
         ]);
         add_forwarded(
             &mut h,
-            "127.0.0.1".parse().unwrap(),
+            &forwarded_for("127.0.0.1".parse().unwrap()),
             "http",
-            Some("api.example"),
+            Some(HeaderValue::from_static("api.example")),
         );
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 127.0.0.1");
         assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
         assert_eq!(h["x-forwarded-proto"], "http");
         assert_eq!(h["x-forwarded-host"], "api.example");
+    }
+
+    #[test]
+    fn forwarded_headers_are_set_when_the_client_sent_none() {
+        let mut h = map(&[("content-type", "application/json")]);
+        add_forwarded(
+            &mut h,
+            &forwarded_for("::1".parse().unwrap()),
+            "https",
+            None,
+        );
+        assert_eq!(h["x-forwarded-for"], "::1");
+        assert_eq!(h["x-forwarded-proto"], "https");
+        assert!(!h.contains_key("x-forwarded-host"));
+    }
+
+    #[test]
+    fn the_length_test_lets_every_listed_name_through() {
+        for n in HOP_BY_HOP {
+            assert!(is_hop_by_hop(&HeaderName::from_static(n)), "{n}");
+        }
+        assert!(is_hop_by_hop(&HeaderName::from_static(
+            "proxy-authenticate"
+        )));
+        assert!(!is_hop_by_hop(&HeaderName::from_static("content-type")));
+        assert!(!is_hop_by_hop(&HeaderName::from_static("tx")));
+    }
+
+    #[test]
+    fn a_message_without_hop_by_hop_headers_is_left_as_it_is() {
+        let mut h = map(&[
+            ("content-type", "application/json"),
+            ("x-a", "1"),
+            ("x-a", "2"),
+        ]);
+        let before = h.clone();
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h, before);
     }
 }

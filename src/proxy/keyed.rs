@@ -241,7 +241,7 @@ impl Proxy {
                     "store unavailable: forwarding UNPROTECTED (on_store_error = pass_through); a retry may execute twice"
                 );
                 let mut req =
-                    match self.forward_request(&k.parts, full(k.body.clone()), k.client, None) {
+                    match self.forward_request(&k.parts, full(k.body.clone()), &k.client, None) {
                         Ok(r) => r,
                         Err(e) => {
                             return Handled::problem(

@@ -88,14 +88,32 @@ fn set_expires(resp: &mut Response<ProxyBody>, at: SystemTime) {
     }
 }
 
-/// Who sent a request, and over what.
-#[derive(Debug, Clone, Copy)]
+/// Who sent a request, and over what (one per connection).
+#[derive(Debug, Clone)]
 pub struct ClientInfo {
     /// The peer address.
     pub addr: SocketAddr,
     /// `http` or `https`, for `X-Forwarded-Proto`.
     pub proto: &'static str,
+    /// The peer's `X-Forwarded-For` entry, formatted once.
+    forwarded_for: HeaderValue,
 }
+
+impl ClientInfo {
+    /// The peer `addr`, over `proto` (`http` or `https`).
+    pub fn new(addr: SocketAddr, proto: &'static str) -> Self {
+        ClientInfo {
+            addr,
+            proto,
+            forwarded_for: headers::forwarded_for(addr.ip()),
+        }
+    }
+}
+
+/// Where a request goes, decided once from its path: the path's normal
+/// form when it differs from what was sent, and the index of the route
+/// covering it; or why the path is refused.
+pub struct Routing(Result<(Option<String>, Option<usize>), Problem>);
 
 /// How a request was handled, for the access log and metrics.
 struct Handled {
@@ -140,6 +158,8 @@ pub struct Proxy {
     lifecycle: Lifecycle,
     /// Mints `X-Request-Id` for requests that come without a usable one.
     request_ids: RequestIds,
+    /// Every route's derived-key header, removed from what clients send.
+    derived_key_headers: Vec<HeaderName>,
 }
 
 impl Proxy {
@@ -167,7 +187,15 @@ impl Proxy {
             m.cache(sampled_cache.sample());
             m.waiters(sampled_waiters.waiting());
         }));
+        let mut derived_key_headers: Vec<HeaderName> = config
+            .routes
+            .iter()
+            .filter_map(|r| r.policy.derived_key_header.clone())
+            .collect();
+        derived_key_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        derived_key_headers.dedup();
         Proxy {
+            derived_key_headers,
             request_ids: RequestIds::new(),
             cache,
             config,
@@ -190,16 +218,29 @@ impl Proxy {
         &self.lifecycle
     }
 
+    /// Where a request goes (see [`Routing`]). Cheap for a path already
+    /// in normal form: no allocation.
+    pub fn routing<B>(&self, req: &Request<B>) -> Routing {
+        Routing(self.resolve(req.uri().path()).map(|(normal, route)| {
+            let normal = match normal {
+                Cow::Borrowed(_) => None,
+                Cow::Owned(n) => Some(n),
+            };
+            let index =
+                route.and_then(|r| self.config.routes.iter().position(|c| std::ptr::eq(c, r)));
+            (normal, index)
+        }))
+    }
+
     /// Whether a request may end up owning a claim: a keyed method on a
     /// route, carrying the key header. Cheap: headers only.
-    pub fn may_claim<B>(&self, req: &Request<B>) -> bool {
-        self.resolve(req.uri().path())
-            .ok()
-            .and_then(|(_, route)| route)
-            .is_some_and(|r| {
-                r.policy.methods.contains(req.method())
-                    && req.headers().contains_key(&r.policy.key_header)
-            })
+    pub fn may_claim<B>(&self, req: &Request<B>, routing: &Routing) -> bool {
+        let route = match &routing.0 {
+            Ok((_, Some(i))) => &self.config.routes[*i],
+            _ => return false,
+        };
+        route.policy.methods.contains(req.method())
+            && req.headers().contains_key(&route.policy.key_header)
     }
 
     /// The normal form of a path (see `path`) and the route it matches,
@@ -226,13 +267,15 @@ impl Proxy {
 
     /// Handles one request: admit, then pass through or run the keyed
     /// path, then account for it once (metrics now, the access line when
-    /// the response body is done).
+    /// the response body is done). `routing` is [`Proxy::routing`] of it.
     pub async fn handle(
         &self,
         mut req: Request<Incoming>,
         client: ClientInfo,
+        routing: Routing,
     ) -> Response<ProxyBody> {
         let started = Instant::now();
+        let logged = access::enabled();
         let request_id = self.request_ids.assign(req.headers_mut());
         let mut line = AccessLine {
             method: req.method().clone(),
@@ -244,60 +287,70 @@ impl Proxy {
             status: 0,
             request_id,
             client: client.addr,
-            user_agent: AccessLine::user_agent(req.headers()),
+            user_agent: if logged {
+                AccessLine::user_agent(req.headers())
+            } else {
+                None
+            },
             request_bytes: RequestBytes::Known(0),
             started,
             timings: None,
         };
-        let original = req.uri().path().to_owned();
-        let (path, matched) = match self.resolve(&original) {
-            Ok((normal, route)) => {
-                if let Cow::Owned(normal) = &normal {
-                    // What the route matched is what is fingerprinted and
-                    // forwarded.
-                    match with_path(req.uri(), normal) {
-                        Ok(uri) => *req.uri_mut() = uri,
-                        Err(p) => return self.refused_early(p, original, line),
-                    }
+        let (normal, matched) = match routing.0 {
+            Ok(routed) => routed,
+            Err(p) => {
+                if logged {
+                    line.path = req.uri().path().to_owned();
                 }
-                (normal.into_owned(), route)
+                return self.respond(p.into_response(), Outcome::Rejected, "unrouted", line);
             }
-            Err(p) => return self.refused_early(p, original, line),
         };
+        if let Some(normal) = &normal {
+            // What the route matched is what is fingerprinted and
+            // forwarded.
+            match with_path(req.uri(), normal) {
+                Ok(uri) => *req.uri_mut() = uri,
+                Err(p) => {
+                    if logged {
+                        line.path = req.uri().path().to_owned();
+                    }
+                    return self.respond(p.into_response(), Outcome::Rejected, "unrouted", line);
+                }
+            }
+        }
+        let matched = matched.map(|i| &self.config.routes[i]);
         // Labelled by the route that covers the path, keyed method or not.
         let route_label = matched.map_or("unrouted", |r| r.name.as_str());
-        let handled = match self.admit(matched, req, client).await {
-            Admission::PassThrough(req) if access::enabled() => {
+        if logged {
+            line.path = normal.unwrap_or_else(|| req.uri().path().to_owned());
+            line.route = route_label.to_owned();
+        }
+        let handled = match self.admit(matched, req, &client).await {
+            Admission::PassThrough(req) if logged => {
                 let read = Arc::new(AtomicU64::new(0));
                 line.request_bytes = RequestBytes::Counted(read.clone());
                 let req = req.map(|b| Counted::new(b, read).boxed());
-                self.pass_through(req, client).await
+                self.pass_through(req, &client).await
             }
             Admission::PassThrough(req) => {
                 let req = req.map(|b| b.map_err(BoxError::from).boxed());
-                self.pass_through(req, client).await
+                self.pass_through(req, &client).await
             }
             Admission::Refused(h) => h,
             Admission::Keyed(k) => {
                 line.key = Some(k.record.key.as_str().to_owned());
                 line.request_bytes = RequestBytes::Known(k.body.len() as u64);
-                let h = self.keyed(&k).await;
+                // Boxed: the keyed path's state is large, and a future
+                // holds the largest state of any of its branches, so
+                // inline it would make every pass-through's future (moved
+                // several times as it is built) as large.
+                let h = Box::pin(self.keyed(&k)).await;
                 line.timings = Some(k.timings.millis());
                 h
             }
         };
-        line.path = path;
-        line.route = route_label.to_owned();
         line.attempt = handled.attempt;
-        self.respond(handled.response, handled.outcome, line)
-    }
-
-    /// A request refused before a route was chosen (its path is
-    /// ambiguous), accounted for as any other refusal.
-    fn refused_early(&self, p: Problem, path: String, mut line: AccessLine) -> Response<ProxyBody> {
-        line.path = path;
-        line.route = "unrouted".to_owned();
-        self.respond(p.into_response(), Outcome::Rejected, line)
+        self.respond(handled.response, handled.outcome, route_label, line)
     }
 
     /// Counts the request, stamps its id on the response, and leaves the
@@ -306,11 +359,12 @@ impl Proxy {
         &self,
         mut response: Response<ProxyBody>,
         outcome: Outcome,
+        route: &str,
         mut line: AccessLine,
     ) -> Response<ProxyBody> {
         let status = response.status().as_u16();
         self.metrics
-            .request(&line.route, outcome, status, line.started.elapsed());
+            .request(route, outcome, status, line.started.elapsed());
         // Ours, whatever the upstream or a stored response said.
         response
             .headers_mut()
@@ -318,6 +372,9 @@ impl Proxy {
         if !access::enabled() {
             // Nobody reads the line: no counting body around the answer.
             return response;
+        }
+        if line.route.is_empty() {
+            line.route = route.to_owned();
         }
         line.outcome = outcome;
         line.status = status;
