@@ -41,10 +41,12 @@ struct Waiting<'w> {
 
 impl Proxy {
     /// The state machine's I/O: claim, decide, and execute or answer.
+    ///
+    /// The cache (`cached_replay`) is asked first, by the caller, without
+    /// building this future. The branches that own a claim or wait are
+    /// boxed: their state is large, and inline it would be carried (and
+    /// moved) by every replay and 409 too.
     pub(super) async fn keyed(&self, k: &Keyed<'_>) -> Handled {
-        if let Some(h) = self.cached_replay(k) {
-            return h;
-        }
         let policy = &k.route.policy;
         let mut waiting = Waiting {
             deadline: Instant::now() + policy.wait,
@@ -74,15 +76,14 @@ impl Proxy {
                 )
                 .await;
             let existing = match result {
-                Err(e) => return self.store_failed(k, e).await,
-                Ok(ClaimResult::Claimed(claim)) => return self.execute(k, claim).await,
+                Err(e) => return Box::pin(self.store_failed(k, e)).await,
+                Ok(ClaimResult::Claimed(claim)) => return Box::pin(self.execute(k, claim)).await,
                 Ok(ClaimResult::Existing(x)) => x,
             };
             let replace = match decide(&existing.view, &k.fingerprint, existing.now) {
                 Decision::Replay => return self.replay_existing(k, existing, ticket),
                 Decision::Conflict { lease_remaining } => {
-                    match self
-                        .wait_for_change(k, &mut waiting, notified, lease_remaining)
+                    match Box::pin(self.wait_for_change(k, &mut waiting, notified, lease_remaining))
                         .await
                     {
                         ControlFlow::Break(h) => return h,
@@ -94,16 +95,16 @@ impl Proxy {
                 Decision::Reclaim { previous } => Replace::Reclaim(previous),
             };
             match self.replace(k, owner, replace).await {
-                Err(e) => return self.store_failed(k, e).await,
+                Err(e) => return Box::pin(self.store_failed(k, e)).await,
                 Ok(None) => races += 1,
-                Ok(Some(claim)) => return self.execute(k, claim).await,
+                Ok(Some(claim)) => return Box::pin(self.execute(k, claim)).await,
             }
         }
         conflict(Duration::from_secs(1))
     }
 
     /// A replay from this replica's cache, if it holds the completion.
-    fn cached_replay(&self, k: &Keyed<'_>) -> Option<Handled> {
+    pub(super) fn cached_replay(&self, k: &Keyed<'_>) -> Option<Handled> {
         // A completion is immutable until it expires: a warm replica
         // replays it without a round trip.
         let c = self.cache.get(&k.record)?;

@@ -340,11 +340,15 @@ impl Proxy {
             Admission::Keyed(k) => {
                 line.key = Some(k.record.key.as_str().to_owned());
                 line.request_bytes = RequestBytes::Known(k.body.len() as u64);
-                // Boxed: the keyed path's state is large, and a future
-                // holds the largest state of any of its branches, so
-                // inline it would make every pass-through's future (moved
-                // several times as it is built) as large.
-                let h = Box::pin(self.keyed(&k)).await;
+                // A replay this replica holds needs no future at all.
+                // Otherwise boxed: the keyed path's state is large, and a
+                // future holds the largest state of any of its branches,
+                // so inline it would make every pass-through's future
+                // (moved several times as it is built) as large.
+                let h = match self.cached_replay(&k) {
+                    Some(h) => h,
+                    None => Box::pin(self.keyed(&k)).await,
+                };
                 line.timings = Some(k.timings.millis());
                 h
             }
