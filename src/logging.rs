@@ -42,7 +42,6 @@ pub const CAPPED_TARGETS: &[&str] = &[
     // turning it on cannot leak either.
     "hyper",
     "hyper_util",
-    "hyper_rustls",
     // Handshake details only; capped for the same reason.
     "rustls",
 ];
