@@ -2,14 +2,16 @@
 //!
 //! Every keyed request is fingerprinted once before its claim, so this is
 //! per-request CPU on the hot path. Measured on JSON bodies of about 200 B,
-//! 10 KB and 1 MB:
+//! 10, 16 and 64 KiB and 1 MiB:
 //!
 //! * `canonical_json`: parse and re-serialise canonically (keys sorted,
 //!   whitespace removed), the part that `fingerprint = "json"` adds;
 //! * `fingerprint/json`: the whole fingerprint of a JSON request (canonical
 //!   form + SHA-256), what a default route computes;
 //! * `fingerprint/bytes`: the same body hashed as raw bytes (SHA-256 only),
-//!   what `fingerprint = "bytes"` and non-JSON bodies cost.
+//!   what `fingerprint = "bytes"` and non-JSON bodies cost;
+//! * `spawn_blocking_round_trip`: handing work to tokio's blocking pool and
+//!   back, what a body over the inline bound pays on top (src/proxy/admit.rs).
 //!
 //! Criterion reports the throughput in bytes of request body per second.
 
@@ -84,6 +86,8 @@ fn sizes() -> Vec<(&'static str, Vec<u8>)> {
     let bodies = vec![
         ("small_200B", json_body(200)),
         ("medium_10KB", json_body(10 * 1024)),
+        ("medium_16KB", json_body(16 * 1024)),
+        ("medium_64KB", json_body(64 * 1024)),
         ("large_1MB", json_body(1024 * 1024)),
     ];
     for (name, body) in &bodies {
@@ -129,6 +133,27 @@ fn bench(c: &mut Criterion) {
         }
     }
     group.finish();
+
+    // What moving a large body's fingerprint to the blocking pool costs
+    // (src/proxy/admit.rs): a round trip to a blocking thread and back
+    // from a task, on the runtime idemproxy runs.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .expect("a runtime");
+    c.bench_function("spawn_blocking_round_trip", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = std::time::Instant::now();
+                for _ in 0..iters {
+                    tokio::task::spawn_blocking(|| black_box(1))
+                        .await
+                        .expect("no panic");
+                }
+                start.elapsed()
+            })
+        })
+    });
 }
 
 criterion_group! {

@@ -25,7 +25,10 @@ use hyper::body::Incoming;
 use super::problem::{Problem, ProblemKind};
 use super::{ClientInfo, Handled, Proxy};
 use crate::config::{DerivedKey, KeyRequirement, Policy, Route};
-use crate::idempotency::{Fingerprint, IdempotencyKey, KeyError, RecordKey, TenantError, TenantId};
+use crate::idempotency::fingerprint::is_json_content_type;
+use crate::idempotency::{
+    Fingerprint, FingerprintMode, IdempotencyKey, KeyError, RecordKey, TenantError, TenantId,
+};
 use crate::metrics::Outcome;
 
 /// What admission made of a request.
@@ -128,14 +131,7 @@ impl Proxy {
             Ok(read) => read,
             Err(p) => return refused(p),
         };
-        let fingerprint = Fingerprint::compute(
-            policy.fingerprint,
-            parts.method.as_str(),
-            parts.uri.path(),
-            parts.uri.query(),
-            parts.headers.get(CONTENT_TYPE).map(|v| v.as_bytes()),
-            &body,
-        );
+        let fingerprint = fingerprint(policy.fingerprint, &parts, &body).await;
         Admission::Keyed(Keyed {
             route,
             record: RecordKey::new(tenant, key),
@@ -146,6 +142,73 @@ impl Proxy {
             timings: Timings::default(),
         })
     }
+}
+
+/// JSON bodies up to this size are canonicalised and hashed inline; larger
+/// ones on tokio's blocking pool.
+///
+/// Measured with benches/fingerprint.rs (machine busy): a JSON fingerprint
+/// costs ~30 µs per KiB (10 µs idle, BENCHMARKS.md), so a 1 MiB body holds
+/// a worker thread for 10–30 ms, and every other request on that worker
+/// with it; the hand-off to the blocking pool and back costs ~38 µs, four
+/// times a 200 B body's whole fingerprint. At 16 KiB a body holds a worker
+/// for at most ~0.5 ms (~0.15 ms idle), and above it the hand-off adds
+/// under a tenth to the work moved.
+pub(super) const INLINE_JSON_MAX: usize = 16 * 1024;
+
+/// The same bound for bodies hashed as raw bytes (non-JSON, or
+/// `fingerprint = "bytes"`): SHA-256 alone runs at ~1 GiB/s, so 16 times
+/// the JSON bound costs about as much.
+pub(super) const INLINE_BYTES_MAX: usize = 16 * INLINE_JSON_MAX;
+
+/// The request's fingerprint: the same value inline or offloaded, computed
+/// on the blocking pool when the body is over the bound of its kind.
+pub(super) async fn fingerprint(
+    mode: FingerprintMode,
+    parts: &request::Parts,
+    body: &Bytes,
+) -> Fingerprint {
+    let content_type = parts.headers.get(CONTENT_TYPE);
+    let json = mode == FingerprintMode::Json
+        && is_json_content_type(content_type.map(HeaderValue::as_bytes));
+    let inline_max = if json {
+        INLINE_JSON_MAX
+    } else {
+        INLINE_BYTES_MAX
+    };
+    if body.len() <= inline_max {
+        return compute(mode, &parts.method, &parts.uri, content_type, body);
+    }
+    let (method, uri, ct, owned) = (
+        parts.method.clone(),
+        parts.uri.clone(),
+        content_type.cloned(),
+        body.clone(),
+    );
+    let offloaded = move || compute(mode, &method, &uri, ct.as_ref(), &owned);
+    match tokio::task::spawn_blocking(offloaded).await {
+        Ok(fp) => fp,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Cancelled: the runtime is shutting down and never started it.
+        Err(_) => compute(mode, &parts.method, &parts.uri, content_type, body),
+    }
+}
+
+fn compute(
+    mode: FingerprintMode,
+    method: &http::Method,
+    uri: &http::Uri,
+    content_type: Option<&HeaderValue>,
+    body: &[u8],
+) -> Fingerprint {
+    Fingerprint::compute(
+        mode,
+        method.as_str(),
+        uri.path(),
+        uri.query(),
+        content_type.map(HeaderValue::as_bytes),
+        body,
+    )
 }
 
 fn refused(p: Problem) -> Admission<'static> {
@@ -235,5 +298,103 @@ async fn read_body(
             ProblemKind::InvalidRequest,
             format!("the request body could not be read: {e}"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    fn parts(content_type: &str) -> request::Parts {
+        Request::builder()
+            .method("POST")
+            .uri("/v1/orders?x=1")
+            .header(CONTENT_TYPE, content_type)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    /// A JSON document of about `size` bytes, keys unsorted, with
+    /// whitespace: canonicalisation has work to do.
+    fn json_body(size: usize) -> Bytes {
+        let mut s = String::from("{\"z\": 1, \"items\": [");
+        let mut i = 0;
+        while s.len() < size {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            s.push_str(&format!(
+                "{{\"sku\": \"S-{i}\", \"qty\": {i}, \"a\": true}}"
+            ));
+            i += 1;
+        }
+        s.push_str("]}");
+        Bytes::from(s)
+    }
+
+    fn inline(mode: FingerprintMode, parts: &request::Parts, body: &[u8]) -> Fingerprint {
+        Fingerprint::compute(
+            mode,
+            parts.method.as_str(),
+            parts.uri.path(),
+            parts.uri.query(),
+            parts.headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
+            body,
+        )
+    }
+
+    #[tokio::test]
+    async fn large_and_small_bodies_get_the_inline_fingerprint() {
+        let large = json_body(INLINE_BYTES_MAX * 2);
+        let medium = json_body(INLINE_JSON_MAX * 2);
+        let small = json_body(200);
+        let at_bound = json_body(INLINE_JSON_MAX - 64);
+        let not_json = Bytes::from(vec![b'{'; INLINE_JSON_MAX + 1]);
+        for ct in ["application/json", "text/plain"] {
+            let p = parts(ct);
+            for mode in [FingerprintMode::Json, FingerprintMode::Bytes] {
+                for body in [&large, &medium, &small, &at_bound, &not_json] {
+                    assert_eq!(
+                        fingerprint(mode, &p, body).await,
+                        inline(mode, &p, body),
+                        "{ct}, {mode:?}, {} bytes",
+                        body.len()
+                    );
+                }
+            }
+        }
+    }
+
+    /// On a one-thread runtime a task spawned before the fingerprint can
+    /// only run if fingerprinting yields the thread.
+    async fn runs_meanwhile(body: &Bytes) -> bool {
+        let ran = Arc::new(AtomicBool::new(false));
+        let other = tokio::spawn({
+            let ran = ran.clone();
+            async move { ran.store(true, Ordering::SeqCst) }
+        });
+        fingerprint(FingerprintMode::Json, &parts("application/json"), body).await;
+        let meanwhile = ran.load(Ordering::SeqCst);
+        other.await.unwrap();
+        meanwhile
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_large_body_is_fingerprinted_without_holding_the_runtime() {
+        let large = json_body(1024 * 1024);
+        assert!(
+            runs_meanwhile(&large).await,
+            "another task ran while the 1 MiB body was fingerprinted"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_small_body_is_fingerprinted_inline() {
+        // The other side of the test above: inline, nothing else runs.
+        assert!(!runs_meanwhile(&json_body(200)).await);
     }
 }

@@ -7,10 +7,18 @@
 //! round trip and one commit instead of N.
 //!
 //! There is no waiting window. A worker takes whatever is queued the moment
-//! it is free — one item under light load, so a lone request pays nothing —
-//! and while its batch is at the database the next requests queue up and
-//! form the next batch. A few workers run at once so that a slow batch does
-//! not stall the others.
+//! it is free, and while its batch is at the database the next requests
+//! queue up and form the next batch. A few workers run at once so that a
+//! slow batch does not stall the others.
+//!
+//! A lone item goes straight to the database. When no other item of this
+//! kind is waiting for its answer (none queued, none at the database), the
+//! caller runs its item itself, in its own task, instead of handing it to a
+//! worker through a channel and waiting for the answer through another:
+//! there is no company to wait for, and each hand-off between tasks is a
+//! wake-up (often of another thread) on the path of every request. Items
+//! arriving meanwhile are not alone: they queue up and batch as before, so
+//! under load nothing changes.
 //!
 //! Per-key atomicity and fencing are untouched: every row of a batch is the
 //! same fenced statement as before, only sent together. Rows are processed
@@ -18,7 +26,8 @@
 //! rows in opposite orders (no deadlocks).
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -26,6 +35,11 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use super::StoreError;
 
 type Reply<O> = oneshot::Sender<Result<O, StoreError>>;
+
+/// A batch's execution, shared by the workers and the direct path.
+type Exec<I, O> = dyn Fn(Vec<I>) -> Pin<Box<dyn Future<Output = Result<Vec<O>, StoreError>> + Send>>
+    + Send
+    + Sync;
 
 /// Counters of one batcher, for the metrics.
 #[derive(Debug, Default)]
@@ -42,6 +56,36 @@ pub struct BatchStats {
 pub struct Batcher<I, O> {
     tx: mpsc::UnboundedSender<(I, Reply<O>)>,
     stats: Arc<BatchStats>,
+    exec: Arc<Exec<I, O>>,
+    /// Items submitted and not yet answered (queued or at the database).
+    pending: AtomicUsize,
+}
+
+/// One item counted in `pending` until its caller has its answer or gives
+/// up (the guard is dropped with the caller's future).
+struct Pending<'a>(&'a AtomicUsize);
+
+impl<'a> Pending<'a> {
+    /// Counts an item in; `true` if no other item was pending.
+    fn enter(pending: &'a AtomicUsize) -> (Self, bool) {
+        let before = pending.fetch_add(1, Ordering::AcqRel);
+        (Pending(pending), before == 0)
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl BatchStats {
+    fn count(&self, n: usize) {
+        let n = n as u64;
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.items.fetch_add(n, Ordering::Relaxed);
+        self.largest.fetch_max(n, Ordering::Relaxed);
+    }
 }
 
 impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
@@ -55,7 +99,7 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     {
         let (tx, rx) = mpsc::unbounded_channel::<(I, Reply<O>)>();
         let rx = Arc::new(Mutex::new(rx));
-        let exec = Arc::new(exec);
+        let exec: Arc<Exec<I, O>> = Arc::new(move |items| Box::pin(exec(items)));
         let stats = Arc::new(BatchStats::default());
         for _ in 0..workers.max(1) {
             let (rx, exec, stats) = (rx.clone(), exec.clone(), stats.clone());
@@ -82,10 +126,7 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
                     if batch.is_empty() {
                         continue;
                     }
-                    let n = batch.len() as u64;
-                    stats.batches.fetch_add(1, Ordering::Relaxed);
-                    stats.items.fetch_add(n, Ordering::Relaxed);
-                    stats.largest.fetch_max(n, Ordering::Relaxed);
+                    stats.count(batch.len());
                     let (items, replies): (Vec<I>, Vec<Reply<O>>) = batch.into_iter().unzip();
                     match exec(items).await {
                         Ok(outputs) if outputs.len() == replies.len() => {
@@ -112,11 +153,29 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
                 }
             });
         }
-        Batcher { tx, stats }
+        Batcher {
+            tx,
+            stats,
+            exec,
+            pending: AtomicUsize::new(0),
+        }
     }
 
-    /// Queues one item and waits for its output.
+    /// Runs one item: at once in the caller's task when it is alone (see
+    /// the module docs), else queued for the next batch.
     pub async fn submit(&self, item: I) -> Result<O, StoreError> {
+        let (_pending, alone) = Pending::enter(&self.pending);
+        if alone {
+            self.stats.count(1);
+            let mut outputs = (self.exec)(vec![item]).await?;
+            return match (outputs.pop(), outputs.is_empty()) {
+                (Some(out), true) => Ok(out),
+                (out, _) => Err(StoreError::Corrupt(format!(
+                    "a batch of 1 returned {} results",
+                    outputs.len() + usize::from(out.is_some())
+                ))),
+            };
+        }
         let (reply, rx) = oneshot::channel();
         self.tx
             .send((item, reply))
@@ -147,6 +206,59 @@ mod tests {
             .unwrap();
         assert_eq!(out, 42);
         assert_eq!(b.stats().batches.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_lone_item_runs_in_its_callers_task() {
+        let b = Arc::new(Batcher::start(1, 8, |items: Vec<u32>| async move {
+            Ok(items.into_iter().map(|_| tokio::task::id()).collect())
+        }));
+        let caller = tokio::spawn({
+            let b = b.clone();
+            async move { (tokio::task::id(), b.submit(1).await.unwrap()) }
+        });
+        let (caller, ran_in) = caller.await.unwrap();
+        assert_eq!(ran_in, caller, "no hand-off to a worker task");
+        assert_eq!(b.stats().items.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn items_arriving_while_a_lone_item_runs_are_batched() {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let b = Arc::new(Batcher::start(1, 64, {
+            let gate = gate.clone();
+            move |items: Vec<u32>| {
+                let gate = gate.clone();
+                async move {
+                    if items == [0] {
+                        // The lone first item stays at the "database" until
+                        // the others have queued.
+                        gate.notified().await;
+                    }
+                    Ok(items)
+                }
+            }
+        }));
+        let first = tokio::spawn({
+            let b = b.clone();
+            async move { b.submit(0).await.unwrap() }
+        });
+        tokio::task::yield_now().await;
+        let rest: Vec<_> = (1..=10)
+            .map(|i| {
+                let b = b.clone();
+                tokio::spawn(async move { b.submit(i).await.unwrap() })
+            })
+            .collect();
+        for (i, t) in rest.into_iter().enumerate() {
+            assert_eq!(t.await.unwrap(), i as u32 + 1);
+        }
+        gate.notify_one();
+        assert_eq!(first.await.unwrap(), 0);
+        let stats = b.stats();
+        assert!(stats.largest.load(Ordering::Relaxed) > 1, "batched");
+        assert!(stats.batches.load(Ordering::Relaxed) < 11);
+        assert_eq!(stats.items.load(Ordering::Relaxed), 11);
     }
 
     #[tokio::test]
