@@ -78,7 +78,12 @@ impl Proxy {
         let release_on: Vec<u16> = policy.release_on.iter().map(|s| s.as_u16()).collect();
         let max_stored = policy.max_stored_response;
         let timeout = self.upstream.timeout();
-        let exchange = async {
+        // Boxed, like every sizeable step below: the futures of the
+        // upstream exchange and of the store's completion each run to
+        // kilobytes, and laid out inline they would all sit in every
+        // request's task at once, the whole time it is in flight (the peak
+        // memory of many requests at the upstream).
+        let exchange = Box::pin(async {
             let resp = self.upstream.send(req).await?;
             // Settled on the status, before the body is read: a released
             // answer streams on unbuffered, only a completed one is read
@@ -88,7 +93,7 @@ impl Proxy {
                 return Ok(Exchanged::Release(resp));
             }
             read_limited(resp, max_stored).await
-        };
+        });
         let bounded = async {
             match tokio::time::timeout(timeout, exchange).await {
                 Ok(r) => r,
@@ -129,7 +134,7 @@ impl Proxy {
                     headers: headers::capture(&parts.headers),
                     body: Some(body.clone()),
                 };
-                let (outcome, expires) = self.complete(k, claim, stored, renewal).await;
+                let (outcome, expires) = Box::pin(self.complete(k, claim, stored, renewal)).await;
                 let mut resp = response_from(parts, full(body));
                 if let Some(at) = expires {
                     set_expires(&mut resp, at);
@@ -148,7 +153,7 @@ impl Proxy {
                     headers: headers::capture(&parts.headers),
                     body: None,
                 };
-                let (outcome, _) = self.complete(k, claim, stored, renewal).await;
+                let (outcome, _) = Box::pin(self.complete(k, claim, stored, renewal)).await;
                 let body = PrefixedBody::new(prefix, rest);
                 Handled::new(response_from(parts, body.boxed()), outcome)
             }

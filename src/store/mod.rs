@@ -271,11 +271,17 @@ impl Store {
 
     /// Runs `op` within `store.timeout`. A connection it took from the pool
     /// and was still using when the bound fired is closed (see `conn`).
-    async fn bounded<T, F>(&self, op: F) -> Result<T, StoreError>
+    ///
+    /// The operation is boxed here, when the call is made: an operation's
+    /// future (a pool checkout, statements, the group-commit hand-off) runs
+    /// to kilobytes, and unboxed it would be laid out inline in every
+    /// caller's future, in every request's task, whether or not that branch
+    /// ever runs (the peak memory of many requests in flight).
+    fn bounded<T, F>(&self, op: F) -> impl std::future::Future<Output = Result<T, StoreError>>
     where
         F: std::future::Future<Output = Result<T, StoreError>>,
     {
-        bounded(self.timeout, op).await
+        bounded(self.timeout, Box::pin(op))
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
