@@ -180,7 +180,10 @@ impl Upstream {
         loop {
             let (mut sender, reused) = match shared.pool.checkout() {
                 Some(sender) => (sender, true),
-                None => (self.connect().await?, false),
+                // Boxed: a new connection's future (TCP, TLS, the
+                // HTTP/1 handshake) is large and rarely needed; inline, it
+                // would be laid out in, and moved with, every request's.
+                None => (Box::pin(self.connect()).await?, false),
             };
             match sender.try_send_request(req).await {
                 Ok(resp) => {
