@@ -40,6 +40,8 @@ pub struct Cached {
     pub response: Arc<StoredResponse>,
     /// When the record expires (the database's clock).
     pub expires_at: SystemTime,
+    /// The `Expires` header of its replays, formatted once.
+    pub expires_header: Option<http::HeaderValue>,
 }
 
 struct Entry {
@@ -327,6 +329,7 @@ mod tests {
                 body: Some(Bytes::from(vec![b'x'; body])),
             }),
             expires_at: now + expires_in,
+            expires_header: None,
         }
     }
 

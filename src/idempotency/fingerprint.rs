@@ -9,6 +9,7 @@
 //! matches. A body that claims to be JSON but does not parse is hashed as
 //! raw bytes.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -93,19 +94,18 @@ pub fn is_json_content_type(content_type: Option<&[u8]>) -> bool {
     let Some(ct) = content_type.and_then(|c| std::str::from_utf8(c).ok()) else {
         return false;
     };
-    let essence = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
+    // Compared without case and without a lowercased copy: this runs on
+    // every keyed request.
+    let essence = ct.split(';').next().unwrap_or("").trim();
     let Some((ty, sub)) = essence.split_once('/') else {
         return false;
     };
     if ty.is_empty() || sub.is_empty() {
         return false;
     }
-    essence == "application/json" || sub.ends_with("+json")
+    let sub = sub.as_bytes();
+    essence.eq_ignore_ascii_case("application/json")
+        || (sub.len() >= 5 && sub[sub.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }
 
 /// The canonical form of a JSON document, or `None` if it does not parse.
@@ -137,7 +137,7 @@ struct Walker<'a> {
     at: usize,
 }
 
-impl Walker<'_> {
+impl<'a> Walker<'a> {
     fn skip_ws(&mut self) {
         while matches!(self.src.get(self.at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
             self.at += 1;
@@ -181,19 +181,34 @@ impl Walker<'_> {
         }
     }
 
-    /// A string token, decoded.
-    fn string(&mut self) -> Option<String> {
+    /// A string token, decoded. Without a backslash the token's inner
+    /// bytes are the string itself (the validation saw that they are UTF-8
+    /// and hold no control character), borrowed; only a token with escapes
+    /// is decoded, by serde_json.
+    fn string(&mut self) -> Option<Cow<'a, str>> {
         let start = self.at;
         self.at += 1;
+        let mut escaped = false;
         loop {
             match *self.src.get(self.at)? {
-                b'\\' => self.at += 2,
+                b'\\' => {
+                    escaped = true;
+                    self.at += 2;
+                }
                 b'"' => break,
                 _ => self.at += 1,
             }
         }
         self.at += 1;
-        serde_json::from_slice(&self.src[start..self.at]).ok()
+        let src: &'a [u8] = self.src;
+        let token = &src[start..self.at];
+        if escaped {
+            serde_json::from_slice(token).ok().map(Cow::Owned)
+        } else {
+            std::str::from_utf8(&token[1..token.len() - 1])
+                .ok()
+                .map(Cow::Borrowed)
+        }
     }
 
     fn array(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
@@ -219,7 +234,7 @@ impl Walker<'_> {
         self.at += 1;
         // Sorted by key bytes (UTF-8 order is byte order); a repeated key
         // keeps its last value.
-        let mut members: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        let mut members: BTreeMap<Cow<'a, str>, Vec<u8>> = BTreeMap::new();
         if !self.eat(b'}') {
             loop {
                 self.skip_ws();
@@ -252,7 +267,18 @@ impl Walker<'_> {
     }
 }
 
+/// `s` as a JSON string, escaped the one way serde_json escapes: only `"`,
+/// `\\` and the control characters U+0000–U+001F. A string with none of
+/// them (almost every one) is its bytes in quotes, written without going
+/// through the serialiser.
 fn write_string(out: &mut Vec<u8>, s: &str) {
+    if !s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        out.reserve(s.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+        return;
+    }
     // Serialising a &str to a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, s);
 }
@@ -644,6 +670,62 @@ mod tests {
             prop_assert_eq!(
                 canonical_json(format!("[\"{escaped}\"]").as_bytes()),
                 canonical_json(format!("[{literal}]").as_bytes())
+            );
+        }
+
+        // Stored fingerprints must survive an upgrade: the fast paths
+        // (strings written without the serialiser, tokens without escapes
+        // taken as they are) give exactly the bytes the serialiser and the
+        // parser give.
+        #[test]
+        fn strings_are_written_exactly_as_serde_json_writes_them(s in any::<String>()) {
+            let mut out = Vec::new();
+            write_string(&mut out, &s);
+            prop_assert_eq!(out, serde_json::to_vec(&s).unwrap());
+        }
+
+        #[test]
+        fn string_tokens_decode_exactly_as_serde_json_decodes_them(s in any::<String>()) {
+            // Both forms of the string: serde_json's escaping, and (when it
+            // is valid JSON) the raw text in quotes.
+            let escaped = serde_json::to_string(&s).unwrap();
+            let raw = format!("\"{s}\"");
+            for token in [escaped, raw] {
+                let expected = serde_json::from_str::<String>(&token).ok();
+                if expected.is_none() {
+                    continue;
+                }
+                let mut walker = Walker { src: token.as_bytes(), at: 0 };
+                let got = walker.string().map(Cow::into_owned);
+                prop_assert_eq!(got, expected);
+                prop_assert_eq!(walker.at, token.len());
+            }
+        }
+    }
+
+    #[test]
+    fn canonical_forms_are_unchanged() {
+        // Canonical forms as released: a change here changes stored
+        // fingerprints, and every retry after an upgrade would get 422.
+        let cases: [(&str, &str); 6] = [
+            (r#"{"b":1,"a":"x"}"#, r#"{"a":"x","b":1}"#),
+            (
+                r#" { "z" : [ 1 , 2.50 , -3e2 ] , "a" : { "y" : null , "x" : true } } "#,
+                r#"{"a":{"x":true,"y":null},"z":[1,2.50,-3e2]}"#,
+            ),
+            (
+                r#"{"k":"caf\u00e9 \"q\" \\ \/ \n\t\u0001"}"#,
+                r#"{"k":"café \"q\" \\ / \n\t\u0001"}"#,
+            ),
+            (r#"{"\u0062":1,"a":2}"#, r#"{"a":2,"b":1}"#),
+            (r#"["中文","é",""]"#, r#"["中文","é",""]"#),
+            (r#"{"a":1,"a":2}"#, r#"{"a":2}"#),
+        ];
+        for (input, canonical) in cases {
+            assert_eq!(
+                String::from_utf8(canonical_json(input.as_bytes()).unwrap()).unwrap(),
+                canonical,
+                "{input}"
             );
         }
     }

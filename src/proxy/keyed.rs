@@ -22,7 +22,7 @@ use tracing::warn;
 
 use super::admit::Keyed;
 use super::problem::{Problem, ProblemKind};
-use super::{full, set_expires, Handled, Proxy, REPLAYED};
+use super::{expires_header, full, set_expires, Handled, Proxy, REPLAYED};
 use crate::cache::{Cached, Ticket};
 use crate::config::OnStoreError;
 use crate::idempotency::decision::retry_after_secs;
@@ -113,7 +113,12 @@ impl Proxy {
             return None;
         }
         let mut h = replay(Some(&c.response));
-        set_expires(&mut h.response, c.expires_at);
+        match c.expires_header {
+            Some(v) => {
+                h.response.headers_mut().insert(http::header::EXPIRES, v);
+            }
+            None => set_expires(&mut h.response, c.expires_at),
+        }
         Some(h)
     }
 
@@ -121,12 +126,18 @@ impl Proxy {
     /// the next retry.
     fn replay_existing(&self, k: &Keyed<'_>, existing: Existing, ticket: Ticket) -> Handled {
         let mut h = replay(existing.response.as_ref());
-        set_expires(&mut h.response, existing.view.expires_at);
+        let expires_header = expires_header(existing.view.expires_at);
+        if let Some(v) = &expires_header {
+            h.response
+                .headers_mut()
+                .insert(http::header::EXPIRES, v.clone());
+        }
         if let Some(response) = existing.response {
             let cached = Cached {
                 fingerprint: existing.view.fingerprint,
                 response: Arc::new(response),
                 expires_at: existing.view.expires_at,
+                expires_header,
             };
             self.cache.put(&k.record, cached, existing.now, ticket);
         }

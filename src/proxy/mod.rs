@@ -83,9 +83,14 @@ pub const ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
 
 /// Advertises until when the key is remembered.
 fn set_expires(resp: &mut Response<ProxyBody>, at: SystemTime) {
-    if let Ok(v) = HeaderValue::from_str(&httpdate::fmt_http_date(at)) {
+    if let Some(v) = expires_header(at) {
         resp.headers_mut().insert(EXPIRES, v);
     }
+}
+
+/// The `Expires` value for a record expiring `at` (an HTTP date).
+fn expires_header(at: SystemTime) -> Option<HeaderValue> {
+    HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()
 }
 
 /// Who sent a request, and over what (one per connection).
