@@ -22,7 +22,7 @@ use tracing::warn;
 
 use super::admit::Keyed;
 use super::problem::{Problem, ProblemKind};
-use super::{expires_header, full, set_expires, Handled, Proxy, REPLAYED};
+use super::{expires_header, full, set_expires, Handled, Proxy, EXPIRES, REPLAYED};
 use crate::cache::{Cached, Ticket};
 use crate::config::OnStoreError;
 use crate::idempotency::decision::retry_after_secs;
@@ -115,7 +115,7 @@ impl Proxy {
         let mut h = replay(Some(&c.response));
         match c.expires_header {
             Some(v) => {
-                h.response.headers_mut().insert(http::header::EXPIRES, v);
+                h.response.headers_mut().insert(EXPIRES, v);
             }
             None => set_expires(&mut h.response, c.expires_at),
         }
@@ -128,9 +128,7 @@ impl Proxy {
         let mut h = replay(existing.response.as_ref());
         let expires_header = expires_header(existing.view.expires_at);
         if let Some(v) = &expires_header {
-            h.response
-                .headers_mut()
-                .insert(http::header::EXPIRES, v.clone());
+            h.response.headers_mut().insert(EXPIRES, v.clone());
         }
         if let Some(response) = existing.response {
             let cached = Cached {
