@@ -18,15 +18,50 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    cli::init_logging(cli.log_format);
-    match cli::run(cli).await {
-        Ok(code) => code,
+    let runtime = match runtime() {
+        Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("idemproxy: {e:#}");
-            ExitCode::FAILURE
+            eprintln!("idemproxy: {e}");
+            return ExitCode::FAILURE;
         }
+    };
+    runtime.block_on(async {
+        cli::init_logging(cli.log_format);
+        match cli::run(cli).await {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("idemproxy: {e:#}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+/// The multi-threaded runtime: one worker per CPU available to the process
+/// (affinity and cgroup quota included), or `TOKIO_WORKER_THREADS`
+/// (docs/operations.md, "CPU and memory"). tokio would panic on a value
+/// that is not a positive whole number; it is refused here with a clear
+/// message instead.
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    const VAR: &str = "TOKIO_WORKER_THREADS";
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    match std::env::var_os(VAR) {
+        None => {}
+        Some(value) => match value.to_str().and_then(|v| v.trim().parse::<usize>().ok()) {
+            Some(n) if n > 0 => {
+                builder.worker_threads(n);
+            }
+            _ => {
+                return Err(format!(
+                    "{VAR} must be a whole number of worker threads, 1 or more (got {value:?})"
+                ))
+            }
+        },
     }
+    builder
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
 }

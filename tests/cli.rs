@@ -104,6 +104,32 @@ async fn check_config_of_a_missing_file_fails_with_a_clear_message() {
     assert!(out.stderr.contains("cannot read"), "{}", out.both());
 }
 
+#[tokio::test]
+async fn worker_threads_come_from_tokio_worker_threads_and_a_bad_value_is_refused_not_a_panic() {
+    let file = "config/example.toml";
+    let out = idemproxy(
+        &["check-config", "--config", file],
+        &[("TOKIO_WORKER_THREADS", "1")],
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.both());
+    for bad in ["0", "two", "-1", ""] {
+        let out = idemproxy(
+            &["check-config", "--config", file],
+            &[("TOKIO_WORKER_THREADS", bad)],
+        )
+        .await;
+        assert_eq!(out.code, Some(1), "{bad:?}\n{}", out.both());
+        assert!(
+            out.stderr
+                .contains("TOKIO_WORKER_THREADS must be a whole number"),
+            "{bad:?}\n{}",
+            out.both()
+        );
+        assert!(!out.stderr.contains("panicked"), "{bad:?}\n{}", out.both());
+    }
+}
+
 // ---------------------------------------------------------------------------
 // migrate and sweep
 
