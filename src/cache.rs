@@ -40,7 +40,8 @@ pub struct Cached {
     pub response: Arc<StoredResponse>,
     /// When the record expires (the database's clock).
     pub expires_at: SystemTime,
-    /// The `Expires` header of its replays, formatted once.
+    /// `expires_at` as its replays' `Idempotency-Key-Expires` value,
+    /// formatted once when the entry is made.
     pub expires_header: Option<http::HeaderValue>,
 }
 

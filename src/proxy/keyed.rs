@@ -22,7 +22,7 @@ use tracing::warn;
 
 use super::admit::Keyed;
 use super::problem::{Problem, ProblemKind};
-use super::{expires_header, full, set_expires, Handled, Proxy, EXPIRES, REPLAYED};
+use super::{expires_header, full, Handled, Proxy, EXPIRES, REPLAYED};
 use crate::cache::{Cached, Ticket};
 use crate::config::OnStoreError;
 use crate::idempotency::decision::retry_after_secs;
@@ -113,11 +113,8 @@ impl Proxy {
             return None;
         }
         let mut h = replay(Some(&c.response));
-        match c.expires_header {
-            Some(v) => {
-                h.response.headers_mut().insert(EXPIRES, v);
-            }
-            None => set_expires(&mut h.response, c.expires_at),
+        if let Some(v) = c.expires_header {
+            h.response.headers_mut().insert(EXPIRES, v);
         }
         Some(h)
     }

@@ -88,7 +88,8 @@ fn set_expires(resp: &mut Response<ProxyBody>, at: SystemTime) {
     }
 }
 
-/// The `Expires` value for a record expiring `at` (an HTTP date).
+/// The `Idempotency-Key-Expires` value for a record expiring `at` (an HTTP
+/// date).
 fn expires_header(at: SystemTime) -> Option<HeaderValue> {
     HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()
 }
