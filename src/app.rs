@@ -31,6 +31,7 @@ use crate::proxy::{ClientInfo, Proxy, ProxyBody};
 use crate::server::{ConnectionLimits, Handler};
 use crate::store::{notify, Store};
 use crate::waiters::Waiters;
+use crate::workers::Workers;
 use crate::{server, sweeper};
 
 /// Options of `serve` that are not configuration.
@@ -40,6 +41,8 @@ pub struct ServeOptions {
     pub migrate: bool,
     /// Run the retention sweeper.
     pub sweeper: bool,
+    /// Worker threads serving the proxy listener ([`crate::workers`]).
+    pub workers: usize,
 }
 
 impl Default for ServeOptions {
@@ -47,6 +50,7 @@ impl Default for ServeOptions {
         ServeOptions {
             migrate: true,
             sweeper: true,
+            workers: crate::workers::available(),
         }
     }
 }
@@ -62,6 +66,8 @@ pub struct Running {
     lifecycle: Lifecycle,
     grace: Duration,
     proxy_task: JoinHandle<()>,
+    /// The threads serving the proxy listener, kept until the drain ends.
+    workers: Workers,
     reloader: Reloader,
 }
 
@@ -161,6 +167,8 @@ struct Parts {
     lifecycle: Lifecycle,
     /// Whether the LISTEN task runs (wake-ups for `wait`).
     listening: Arc<AtomicBool>,
+    /// Upstream pools to build ([`Upstream::with_lanes`]).
+    upstream_lanes: usize,
 }
 
 impl Parts {
@@ -265,7 +273,7 @@ impl Reloader {
             warn!(key = %key, running = %kept, new = %wanted, "configuration reload: this change needs a restart; the running value is kept");
         }
         let applied = fresh.keeping_restart_only(running);
-        let upstream = match Upstream::new(&applied.upstream) {
+        let upstream = match Upstream::with_lanes(&applied.upstream, self.parts.upstream_lanes) {
             Ok(upstream) => upstream,
             Err(e) => {
                 error!(error = %format!("{e:#}"), "configuration reload refused: the upstream client cannot be built; the running configuration is kept");
@@ -326,6 +334,7 @@ impl Running {
         let _ = self.proxy_task.await;
         let finished = self.lifecycle.drain_work(deadline).await;
         self.lifecycle.stop_background(Duration::from_secs(2)).await;
+        self.workers.release();
         finished
     }
 
@@ -351,7 +360,10 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
     let config = Arc::new(config);
     let lifecycle = Lifecycle::new();
     let store = Store::new(&config.store).context("building the database pool")?;
-    let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
+    // An upstream pool per worker, and one for the main runtime.
+    let upstream_lanes = options.workers + 1;
+    let upstream = Upstream::with_lanes(&config.upstream, upstream_lanes)
+        .context("building the upstream client")?;
     let tls = match &config.server.tls {
         Some(files) => Some(
             crate::tls::server_acceptor(files).context("setting up TLS on the proxy listener")?,
@@ -409,6 +421,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         cache,
         lifecycle: lifecycle.clone(),
         listening: Arc::new(AtomicBool::new(false)),
+        upstream_lanes,
     };
     parts.listen_if_needed(&config);
     let live = Arc::new(LiveProxy::new(Arc::new(
@@ -422,16 +435,20 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         parts,
     };
     let drain = lifecycle.drain_token();
-    let proxy_task = tokio::spawn(server::serve_with(
+    let (workers, served) = server::serve_on_workers(
         proxy_listener,
         live,
         server::ListenerOptions {
             header_read_timeout: config.server.header_read_timeout,
             tls,
         },
-        cancelled(drain),
+        drain.clone(),
         config.server.shutdown_grace,
-    ));
+        options.workers,
+    )
+    .inspect_err(|_| drain.cancel())
+    .context("starting the proxy's worker threads")?;
+    let proxy_task = tokio::spawn(served);
     let admin = Arc::new(Admin::new(
         health,
         metrics.clone(),
@@ -453,6 +470,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         lifecycle,
         grace: config.server.shutdown_grace,
         proxy_task,
+        workers,
         reloader,
     })
 }

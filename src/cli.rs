@@ -334,6 +334,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ServeOptions {
                     migrate: !no_migrate,
                     sweeper: true,
+                    workers: crate::workers::count_from_env().map_err(anyhow::Error::msg)?,
                 },
             )
             .await

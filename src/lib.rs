@@ -75,3 +75,4 @@ pub mod sweeper;
 pub mod tls;
 pub mod version;
 pub mod waiters;
+pub mod workers;

@@ -39,28 +39,18 @@ fn main() -> ExitCode {
     })
 }
 
-/// The multi-threaded runtime: one worker per CPU available to the process
-/// (affinity and cgroup quota included), or `TOKIO_WORKER_THREADS`
+/// The main runtime: the command itself and, under `serve`, everything but
+/// the proxy listener's requests (admin endpoints, renewals, group commit,
+/// the sweeper, reloads), which needs one thread. The requests are served
+/// by `serve`'s own worker threads, one per CPU available to the process
+/// (affinity and cgroup quota included) or `TOKIO_WORKER_THREADS`
 /// (docs/operations.md, "CPU and memory"). tokio would panic on a value
-/// that is not a positive whole number; it is refused here with a clear
-/// message instead.
+/// that is not a positive whole number; it is refused here, for every
+/// command, with a clear message instead.
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
-    const VAR: &str = "TOKIO_WORKER_THREADS";
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    match std::env::var_os(VAR) {
-        None => {}
-        Some(value) => match value.to_str().and_then(|v| v.trim().parse::<usize>().ok()) {
-            Some(n) if n > 0 => {
-                builder.worker_threads(n);
-            }
-            _ => {
-                return Err(format!(
-                    "{VAR} must be a whole number of worker threads, 1 or more (got {value:?})"
-                ))
-            }
-        },
-    }
-    builder
+    idemproxy::workers::count_from_env()?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))

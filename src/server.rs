@@ -43,9 +43,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::proxy::{ClientInfo, Proxy, ProxyBody};
+use crate::workers::Workers;
 
 /// A handler for one request, given the peer.
 pub trait Handler: Send + Sync + 'static {
@@ -152,6 +153,89 @@ pub async fn serve_with<H: Handler>(
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) {
+    let slots = slots_for(&handler.limits());
+    accept(listener, handler, options, slots, shutdown, grace).await;
+}
+
+/// The places under `max_connections`, shared by every accept loop of a
+/// listener.
+fn slots_for(limits: &ConnectionLimits) -> Option<Arc<Semaphore>> {
+    limits.max_connections.map(|n| Arc::new(Semaphore::new(n)))
+}
+
+/// Serves `listener` on `count` worker threads ([`crate::workers`]), each
+/// accepting from it on a runtime of its own and serving the connections
+/// it accepted, until `shutdown` is cancelled; then each drains as
+/// [`serve_with`] does. `max_connections` bounds them together. The
+/// returned future resolves when every worker has drained its listener;
+/// the [`Workers`] keep their runtimes until released.
+pub fn serve_on_workers<H: Handler>(
+    listener: TcpListener,
+    handler: Arc<H>,
+    options: ListenerOptions,
+    shutdown: CancellationToken,
+    grace: Duration,
+    count: usize,
+) -> std::io::Result<(Workers, impl Future<Output = ()> + Send + 'static)> {
+    // One descriptor per worker, each registered with its own runtime:
+    // every worker waits on the same accept queue and the first free one
+    // takes the connection.
+    let served = TaskTracker::new();
+    let listener = listener.into_std()?;
+    let mut each = Vec::new();
+    for _ in 0..count.max(1) {
+        // The token counts the worker as serving until its loop has ended.
+        each.push((listener.try_clone()?, served.token()));
+    }
+    drop(listener);
+    served.close();
+    let each = std::sync::Mutex::new(each);
+    let slots = slots_for(&handler.limits());
+    let workers = Workers::start(count, move |_lane| {
+        let taken = each
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        let (handler, options, slots, shutdown) = (
+            handler.clone(),
+            options.clone(),
+            slots.clone(),
+            shutdown.clone(),
+        );
+        async move {
+            let Some((listener, _serving)) = taken else {
+                return;
+            };
+            let listener = match TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    error!(error = %e, "a worker could not take the proxy listener");
+                    return;
+                }
+            };
+            accept(
+                listener,
+                handler,
+                options,
+                slots,
+                shutdown.cancelled_owned(),
+                grace,
+            )
+            .await;
+        }
+    })?;
+    Ok((workers, async move { served.wait().await }))
+}
+
+/// The accept loop of [`serve_with`] and of each worker.
+async fn accept<H: Handler>(
+    listener: TcpListener,
+    handler: Arc<H>,
+    options: ListenerOptions,
+    slots: Option<Arc<Semaphore>>,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) {
     let limits = handler.limits();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -162,7 +246,6 @@ pub async fn serve_with<H: Handler>(
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(limits.h2_max_concurrent_streams);
-    let slots = limits.max_connections.map(|n| Arc::new(Semaphore::new(n)));
     let mut refused = Refusals::default();
     let stop = CancellationToken::new();
     let connections = TaskTracker::new();

@@ -77,7 +77,11 @@ pub struct Upstream {
 
 /// What the clones of an [`Upstream`] share.
 struct Shared {
-    pool: Pool,
+    /// One pool per lane: lane 0 for threads that are no worker, lane
+    /// `n + 1` for worker `n` ([`crate::workers::lane`]). A connection is
+    /// driven by a task on the runtime that made it, so a worker that keeps
+    /// to its own pool never hands an exchange to another thread.
+    pools: Box<[Pool]>,
     connector: Connector,
     /// Whether the task that lets idle connections go has been started: on
     /// the first connection made, since building the client needs no
@@ -86,8 +90,16 @@ struct Shared {
 }
 
 impl Upstream {
-    /// Builds the client. Fails for URLs the client cannot serve.
+    /// Builds the client with one pool. Fails for URLs the client cannot
+    /// serve.
     pub fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
+        Self::with_lanes(config, 1)
+    }
+
+    /// Builds the client with `lanes` pools: one for the threads that are
+    /// no worker and one per worker, each keeping at most its share of
+    /// the connections. Fails for URLs the client cannot serve.
+    pub fn with_lanes(config: &UpstreamConfig, lanes: usize) -> anyhow::Result<Self> {
         let uri = &config.url;
         let scheme = uri.scheme().cloned().unwrap_or(Scheme::HTTP);
         if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
@@ -111,7 +123,9 @@ impl Upstream {
         let connector = Connector::new(authority.host(), port, tls, config.connect_timeout)?;
         Ok(Upstream {
             shared: Arc::new(Shared {
-                pool: Pool::new(pool::MAX_KEPT),
+                pools: (0..lanes.max(1))
+                    .map(|_| Pool::new(pool::MAX_KEPT.div_ceil(lanes.max(1))))
+                    .collect(),
                 connector,
                 sweeping: AtomicBool::new(false),
             }),
@@ -176,9 +190,9 @@ impl Upstream {
         &self,
         mut req: Request<ProxyBody>,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        let shared = &*self.shared;
+        let pool = self.shared.pool();
         loop {
-            let (mut sender, reused) = match shared.pool.checkout() {
+            let (mut sender, reused) = match pool.checkout() {
                 Some(sender) => (sender, true),
                 // Boxed: a new connection's future (TCP, TLS, the
                 // HTTP/1 handshake) is large and rarely needed; inline, it
@@ -189,7 +203,7 @@ impl Upstream {
                 Ok(resp) => {
                     // Kept while the body streams: checkout skips it until
                     // hyper says it is ready again.
-                    shared.pool.put(sender);
+                    pool.put(sender);
                     return Ok(resp);
                 }
                 Err(mut e) => match e.take_message() {
@@ -220,6 +234,14 @@ impl Upstream {
     }
 }
 
+impl Shared {
+    /// The pool of the calling thread's lane.
+    fn pool(&self) -> &Pool {
+        let lane = crate::workers::lane().map_or(0, |n| n + 1);
+        self.pools.get(lane).unwrap_or(&self.pools[0])
+    }
+}
+
 /// Lets connections idle past the timeout go even when no request comes to
 /// check them out; ends with the last clone of its [`Upstream`] (a reload
 /// builds a new one).
@@ -231,7 +253,10 @@ async fn sweep(shared: Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        shared.pool.sweep(Instant::now());
+        let now = Instant::now();
+        for pool in &shared.pools {
+            pool.sweep(now);
+        }
     }
 }
 
@@ -469,7 +494,7 @@ mod tests {
         let mut req = get("/");
         *req.uri_mut() = u.uri_for(Some(&pq)).unwrap();
         assert_eq!(fetch(&u, req).await, "ok");
-        until(|| u.shared.pool.all_ready()).await;
+        until(|| u.shared.pool().all_ready()).await;
         // An absolute-form URI is sent in origin-form too.
         let mut req = get("http://elsewhere:1/v1/orders/2");
         *req.method_mut() = http::Method::POST;
@@ -481,7 +506,7 @@ mod tests {
                 (0, "POST /v1/orders/2 HTTP/1.1".to_owned()),
             ]
         );
-        assert_eq!(u.shared.pool.len(), 1);
+        assert_eq!(u.shared.pool().len(), 1);
     }
 
     #[tokio::test]
@@ -501,7 +526,7 @@ mod tests {
             ]
         );
         // Both are kept, and both are ready once their answers were read.
-        until(|| u.shared.pool.len() == 2 && u.shared.pool.all_ready()).await;
+        until(|| u.shared.pool().len() == 2 && u.shared.pool().all_ready()).await;
     }
 
     #[tokio::test]
@@ -510,7 +535,7 @@ mod tests {
         let u = raw.upstream("");
         assert_eq!(fetch(&u, get("/a")).await, "ok");
         // hyper has seen the close: checkout drops the connection.
-        until(|| u.shared.pool.all_closed()).await;
+        until(|| u.shared.pool().all_closed()).await;
         assert_eq!(fetch(&u, get("/b")).await, "ok");
         assert_eq!(
             raw.seen(),
@@ -542,8 +567,8 @@ mod tests {
             }
             // `conn` dropped here: a request still queued comes back.
         });
-        u.shared.pool.put(sender);
-        until(|| u.shared.pool.all_ready()).await;
+        u.shared.pool().put(sender);
+        until(|| u.shared.pool().all_ready()).await;
         // The connection's task runs only once `send` yields, after the
         // request was queued on this connection: it ends without taking it.
         stop.send(()).unwrap();
@@ -560,12 +585,12 @@ mod tests {
         let raw = RawUpstream::gated(1);
         let u = raw.upstream("");
         assert_eq!(fetch(&u, get("/a")).await, "ok");
-        until(|| u.shared.pool.all_ready()).await;
+        until(|| u.shared.pool().all_ready()).await;
         // Closed while this (single) runtime thread is blocked: the
         // connection's task cannot run, so hyper has not seen the close.
         raw.close.as_ref().unwrap().send(()).unwrap();
         assert_eq!(raw.closed.recv_timeout(Duration::from_secs(5)), Ok(0));
-        assert!(!u.shared.pool.all_closed() && u.shared.pool.len() == 1);
+        assert!(!u.shared.pool().all_closed() && u.shared.pool().len() == 1);
         let err = u.send(get("/b")).await.unwrap_err();
         assert!(matches!(err, UpstreamError::Failed(_)), "{err}");
         assert_eq!(err.outcome(), UpstreamOutcome::Unknown);
@@ -577,11 +602,11 @@ mod tests {
         let raw = RawUpstream::start(10);
         let u = raw.upstream("");
         assert_eq!(fetch(&u, get("/a")).await, "ok");
-        until(|| u.shared.pool.all_ready()).await;
-        u.shared.pool.sweep(Instant::now());
-        assert_eq!(u.shared.pool.len(), 1);
-        u.shared.pool.sweep(Instant::now() + pool::IDLE_TIMEOUT);
-        assert_eq!(u.shared.pool.len(), 0);
+        until(|| u.shared.pool().all_ready()).await;
+        u.shared.pool().sweep(Instant::now());
+        assert_eq!(u.shared.pool().len(), 1);
+        u.shared.pool().sweep(Instant::now() + pool::IDLE_TIMEOUT);
+        assert_eq!(u.shared.pool().len(), 0);
     }
 
     #[tokio::test]
