@@ -25,7 +25,8 @@
 //! * Every answer the proxy makes itself is built in [`proxy::problem`].
 //!
 //! Around the request path: [`config`] (TOML → validated `Config`),
-//! [`app`] (wiring), [`lifecycle`] (who owns each task, and the drain),
+//! [`app`] (wiring), [`workers`] (the threads serving the proxy port),
+//! [`lifecycle`] (who owns each task, and the drain),
 //! [`admin`] and [`metrics`] (health, readiness, Prometheus), [`sweeper`]
 //! (retention) and [`cli`] (the `idemproxy` command). [`store::notify`]
 //! keeps the one LISTEN connection that wakes [`waiters`] and invalidates
@@ -41,7 +42,7 @@
 //! ```text
 //! idempotency → config → store → {lease, waiters, cache} → proxy → server → admin → app → logging → cli
 //!   (pure)                 ↑                                  ↑
-//!   leaves used anywhere: pg_url, tls, backoff, metrics, lifecycle
+//!   leaves used anywhere: pg_url, tls, backoff, metrics, lifecycle, workers
 //! ```
 //!
 //! * [`idempotency`]: keys, tenants, fingerprints, [`idempotency::KeyId`]
