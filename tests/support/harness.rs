@@ -280,7 +280,14 @@ impl Harness {
 /// database is reachable).
 pub async fn start_proxy(setup: &Setup, upstream: &str, db: &str, wait: bool) -> Running {
     let config = setup.config(upstream, db);
-    let running = app::start(config, ServeOptions::default()).await.unwrap();
+    // Two workers whatever the machine, so that every test runs with
+    // connections on more than one thread (max_connections shared, pools
+    // per worker, the drain of all of them).
+    let options = ServeOptions {
+        workers: 2,
+        ..ServeOptions::default()
+    };
+    let running = app::start(config, options).await.unwrap();
     if wait && setup.database_url.is_none() {
         wait_ready(running.admin_addr).await;
     }

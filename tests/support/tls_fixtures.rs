@@ -114,7 +114,14 @@ pub async fn start_edited(
     let text = edit(setup.toml(upstream, db));
     let config = config::parse(&text, "tls-test.toml", &Overrides::default())
         .unwrap_or_else(|e| panic!("{e}\n{text}"));
-    let running = app::start(config, ServeOptions::default()).await.unwrap();
+    // Two workers whatever the machine, so that every test runs with
+    // connections on more than one thread (max_connections shared, pools
+    // per worker, the drain of all of them).
+    let options = ServeOptions {
+        workers: 2,
+        ..ServeOptions::default()
+    };
+    let running = app::start(config, options).await.unwrap();
     wait_ready(running.admin_addr).await;
     running
 }
