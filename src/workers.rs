@@ -77,7 +77,7 @@ impl Workers {
         for lane in 0..count.max(1) {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
-                .thread_name(format!("idemproxy-worker-{lane}-blocking"))
+                .thread_name(format!("idemproxy-blocking-{lane}"))
                 .build()?;
             let (work, release) = (work.clone(), release.clone());
             std::thread::Builder::new()

@@ -1157,3 +1157,66 @@ async fn answer_while_the_store_is_locked(
     assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
     (answer, locker)
 }
+
+// `serve` runs the number of worker threads TOKIO_WORKER_THREADS asks for
+// (src/workers.rs), serves keyed requests spread over their connections
+// exactly once each, and a SIGTERM drains every worker: the slow request in
+// flight on one of them is answered and the process exits 0.
+#[tokio::test]
+async fn serve_runs_the_worker_threads_asked_for_and_sigterm_drains_them_all() {
+    let dir = TempDir::new("workers");
+    let db = TestDb::new().await;
+    let up = UpstreamProc::start(&dir).await;
+    let mut config = ProxyConfig::new(&up.url(), &db.url);
+    config.env.push(("TOKIO_WORKER_THREADS".into(), "3".into()));
+    let mut proxy = ProxyProc::start(&dir, "proxy", &config).await;
+
+    // Concurrent requests, each on a connection of its own.
+    let calls: Vec<_> = (0..6)
+        .map(|i| {
+            spawn_post(
+                &proxy,
+                &format!("k-worker-{i}"),
+                &[("x-sample-delay-ms", "200")],
+                Duration::from_secs(10),
+            )
+        })
+        .collect();
+    for call in calls {
+        let r = call.await.unwrap().expect("an answer");
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    for i in 0..6 {
+        assert_eq!(up.executions(&format!("k-worker-{i}")).await, 1);
+    }
+
+    let workers = std::fs::read_dir(format!("/proc/{}/task", proxy.proc.pid()))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).ok())
+        // The kernel keeps 15 bytes of a thread's name.
+        .filter(|comm| comm.trim_end() == "idemproxy-worke")
+        .count();
+    assert_eq!(workers, 3, "worker threads of TOKIO_WORKER_THREADS=3");
+
+    let slow = spawn_post(
+        &proxy,
+        "k-worker-drain",
+        &[("x-sample-delay-ms", "1500")],
+        Duration::from_secs(10),
+    );
+    up.wait_executions("k-worker-drain", 1, Duration::from_secs(5))
+        .await;
+    proxy.proc.signal("TERM");
+    let status = proxy
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .await
+        .expect("no exit after SIGTERM");
+    assert_eq!(status.code(), Some(0));
+    let answered = slow
+        .await
+        .unwrap()
+        .expect("the request in flight is answered");
+    assert_eq!(answered.status, 201, "{}", answered.text());
+    assert_eq!(up.executions("k-worker-drain").await, 1);
+}
