@@ -359,10 +359,11 @@ impl Running {
 pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Running> {
     let config = Arc::new(config);
     let lifecycle = Lifecycle::new();
-    let store = Store::new(&config.store).context("building the database pool")?;
-    // An upstream pool per worker, and one for the main runtime.
-    let upstream_lanes = options.workers + 1;
-    let upstream = Upstream::with_lanes(&config.upstream, upstream_lanes)
+    // A database and an upstream pool per worker, and one for the main
+    // runtime: connections stay on the thread that drives them.
+    let lanes = options.workers + 1;
+    let store = Store::with_lanes(&config.store, lanes).context("building the database pool")?;
+    let upstream = Upstream::with_lanes(&config.upstream, lanes)
         .context("building the upstream client")?;
     let tls = match &config.server.tls {
         Some(files) => Some(
@@ -421,7 +422,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         cache,
         lifecycle: lifecycle.clone(),
         listening: Arc::new(AtomicBool::new(false)),
-        upstream_lanes,
+        upstream_lanes: lanes,
     };
     parts.listen_if_needed(&config);
     let live = Arc::new(LiveProxy::new(Arc::new(

@@ -586,6 +586,78 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
     );
 }
 
+// The pool is split among the threads (the main one's batch workers, and
+// each worker's share; store::pools): the harness's pool of 8 on two
+// workers is 5 + 2 + 1. A burst of new keys and their duplicates on
+// connections spread over both workers all get their answers (a worker
+// whose share is busy borrows or waits, never fails), each key executes
+// once, and the database never sees more than `pool_size` pooled
+// connections.
+#[tokio::test]
+async fn a_pool_split_among_the_workers_serves_a_burst_within_pool_size() {
+    const POOL: i64 = 8; // the harness's store.pool_size
+    let h = Harness::start(
+        Setup::default()
+            .store("response_cache = \"0\"\n")
+            .defaults("lease = \"5s\"\n"),
+    )
+    .await;
+    let db = h.db.client().await;
+    let pooled = "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = current_database() AND pid <> pg_backend_pid() \
+                  AND application_name = 'idemproxy' AND query NOT LIKE 'LISTEN%'";
+    let url = h.url("/v1/payments");
+    let mut tasks = Vec::new();
+    for i in 0..48 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            // A connection of its own per client: spread over the workers.
+            let client = support::http::HttpClient::new();
+            let mut statuses = Vec::new();
+            for round in 0..6 {
+                // Three requests per key: the first claims, the others are
+                // in-flight duplicates (409) or replays (a database read).
+                let key = format!("k-split-{}-{round}", i / 3);
+                let r = client
+                    .send(
+                        Req::post(&url)
+                            .key(&key)
+                            .json(PAY)
+                            .header("x-sample-delay-ms", "5"),
+                    )
+                    .await;
+                statuses.push((r.status.as_u16(), r.replayed(), r.text()));
+            }
+            statuses
+        }));
+    }
+    let mut most = 0;
+    while !tasks.iter().all(|t| t.is_finished()) {
+        let n: i64 = db.query_one(pooled, &[]).await.unwrap().get(0);
+        most = most.max(n);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut fresh = 0;
+    for t in tasks {
+        for (status, replayed, text) in t.await.unwrap() {
+            assert!(matches!(status, 201 | 409), "{status} {text}");
+            fresh += usize::from(status == 201 && !replayed);
+        }
+    }
+    assert_eq!(fresh, 16 * 6, "one execution per key");
+    for i in 0..16 {
+        for round in 0..6 {
+            assert_eq!(h.upstream.executions(&format!("k-split-{i}-{round}")), 1);
+        }
+    }
+    eprintln!("pool split: at most {most} pooled connections for pool_size {POOL}");
+    assert!(most > 0, "the sampling saw the pool");
+    assert!(
+        most <= POOL,
+        "{most} pooled connections for pool_size {POOL}"
+    );
+}
+
 // Renewal is per process: many slow calls share one UPDATE per tick.
 #[tokio::test]
 async fn leases_of_many_slow_calls_are_renewed_together() {

@@ -46,6 +46,7 @@ pub mod group_commit;
 pub mod migrate;
 pub mod notify;
 mod operator;
+mod pools;
 mod records;
 pub mod sql;
 pub mod tls;
@@ -54,14 +55,14 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use deadpool::managed::{PoolError, Timeouts};
-use deadpool_postgres::Runtime;
+use deadpool::managed::PoolError;
 use thiserror::Error;
 
 use crate::config::StoreConfig;
 use crate::idempotency::{OwnerToken, RecordView};
-use conn::{Conn, Connector, Manager, Pool};
+use conn::{Conn, Connector, Manager};
 pub use operator::{RecordDetails, RecordSummary, SweepBatch};
+use pools::Pools;
 pub use records::RenewItem;
 
 /// Why a store operation failed. Messages never contain the database URL.
@@ -175,12 +176,12 @@ pub enum Replace {
 /// The PostgreSQL-backed record store.
 #[derive(Clone)]
 pub struct Store {
-    pool: Pool,
+    /// The pooled connections, one pool per lane (see `pools`).
+    pools: Pools,
     batch: Option<Arc<records::Batchers>>,
     /// Direct connections: LISTEN and migrations (`listen_url`).
     direct: Arc<Connector>,
     timeout: Duration,
-    prepared: bool,
     flavor: Arc<Flavor>,
 }
 
@@ -209,29 +210,34 @@ impl Store {
     /// Builds the pool. Connects lazily: a database that is down does not
     /// stop the process from starting.
     pub fn new(config: &StoreConfig) -> Result<Self, StoreError> {
+        Self::with_lanes(config, 1)
+    }
+
+    /// Builds the pools for `lanes` lanes: the threads that are no worker
+    /// and one per worker, sharing `store.pool_size` (see `pools`).
+    /// Connects lazily, like [`new`](Self::new).
+    pub fn with_lanes(config: &StoreConfig, lanes: usize) -> Result<Self, StoreError> {
         let pooled = connector(config.database_url.expose(), config)?;
         let direct = match &config.listen_url {
             Some(url) => connector(url.expose(), config)?,
             None => pooled.clone(),
         };
-        let pool = Pool::builder(Manager { connector: pooled })
-            .max_size(config.pool_size)
-            .timeouts(Timeouts {
-                wait: Some(config.timeout),
-                create: Some(config.timeout),
-                recycle: Some(config.timeout),
-            })
-            .runtime(Runtime::Tokio1)
-            .build()
-            .map_err(|e| StoreError::Pool(e.to_string()))?;
+        let pools = Pools::new(
+            || Manager {
+                connector: pooled.clone(),
+            },
+            config.pool_size,
+            lanes,
+            config.timeout,
+            config.prepared_statements,
+        )?;
         let flavor = Arc::new(Flavor::default());
-        let batch = records::Batchers::start(&pool, config, &flavor);
+        let batch = records::Batchers::start(&pools, config, &flavor);
         Ok(Store {
-            pool,
+            pools,
             batch,
             direct,
             timeout: config.timeout,
-            prepared: config.prepared_statements,
             flavor,
         })
     }
@@ -260,8 +266,7 @@ impl Store {
 
     /// Pool occupancy: (size, available, waiting).
     pub fn pool_status(&self) -> (usize, usize, usize) {
-        let s = self.pool.status();
-        (s.size, s.available, s.waiting)
+        self.pools.status()
     }
 
     /// The per-operation bound.
@@ -285,7 +290,7 @@ impl Store {
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
-        checkout(&self.pool, self.prepared).await
+        self.pools.checkout().await
     }
 
     /// Whether the store is a Citus coordinator (asked over `conn` once).
@@ -338,11 +343,6 @@ async fn bounded<T>(
         Ok(r) => r,
         Err(_) => Err(StoreError::Timeout(timeout)),
     }
-}
-
-async fn checkout(pool: &Pool, prepared: bool) -> Result<Conn, StoreError> {
-    let object = pool.get().await.map_err(pool_error)?;
-    Ok(Conn::new(object, prepared))
 }
 
 impl From<crate::pg_url::UrlError> for StoreError {

@@ -7,11 +7,12 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use tokio_postgres::Row;
 
-use super::conn::{Conn, Pool};
+use super::conn::Conn;
 use super::group_commit::Batcher;
+use super::pools::Pools;
 use super::{
-    bounded, checkout, millis, sql, Claim, ClaimResult, Existing, Flavor, Replace, Store,
-    StoreError, StoredResponse,
+    bounded, millis, sql, Claim, ClaimResult, Existing, Flavor, Replace, Store, StoreError,
+    StoredResponse,
 };
 use crate::config::StoreConfig;
 use crate::idempotency::{Fingerprint, OwnerToken, RecordKey, RecordState, RecordView};
@@ -275,28 +276,28 @@ impl Batchers {
     /// on a frozen primary gives up, and its connection is closed. `None`
     /// outside a tokio runtime (then every statement goes alone).
     pub(super) fn start(
-        pool: &Pool,
+        pools: &Pools,
         config: &StoreConfig,
         flavor: &Arc<Flavor>,
     ) -> Option<Arc<Batchers>> {
         tokio::runtime::Handle::try_current().ok()?;
-        let workers = (config.pool_size / 4).max(1);
-        let (timeout, prepared) = (config.timeout, config.prepared_statements);
-        let (p1, p2) = (pool.clone(), pool.clone());
+        let workers = batch_workers(config.pool_size);
+        let timeout = config.timeout;
+        let (p1, p2) = (pools.clone(), pools.clone());
         let (f1, f2) = (flavor.clone(), flavor.clone());
         Some(Arc::new(Batchers {
             claims: Batcher::start(workers, MAX_BATCH, move |items| {
-                let (pool, flavor) = (p1.clone(), f1.clone());
+                let (pools, flavor) = (p1.clone(), f1.clone());
                 bounded(timeout, async move {
-                    let conn = checkout(&pool, prepared).await?;
+                    let conn = pools.checkout().await?;
                     let citus = flavor.citus(&conn).await?;
                     exec_claims(&conn, items, citus).await
                 })
             }),
             completions: Batcher::start(workers, MAX_BATCH, move |items| {
-                let (pool, flavor) = (p2.clone(), f2.clone());
+                let (pools, flavor) = (p2.clone(), f2.clone());
                 bounded(timeout, async move {
-                    let conn = checkout(&pool, prepared).await?;
+                    let conn = pools.checkout().await?;
                     let citus = flavor.citus(&conn).await?;
                     exec_completions(&conn, items, citus).await
                 })
@@ -322,6 +323,12 @@ impl Batchers {
         })
         .collect()
     }
+}
+
+/// Group-commit workers of each kind (claims, completions) for a pool of
+/// `pool_size`: a quarter of it each, at least one.
+pub(super) fn batch_workers(pool_size: usize) -> usize {
+    (pool_size / 4).max(1)
 }
 
 /// Most items in one batch (bounds statement size and lock hold time).

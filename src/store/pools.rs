@@ -1,0 +1,175 @@
+//! The store's connections: one pool per lane, each connection kept on the
+//! thread that drives it.
+//!
+//! A tokio-postgres connection is two halves: the client a request uses,
+//! and the connection task that writes its statements to the socket and
+//! reads the answers. The task runs on the runtime that opened the
+//! connection, and the socket is registered with that runtime's reactor.
+//! With one runtime per worker thread ([`crate::workers`]), a statement on
+//! a connection opened by another thread crosses threads twice (request →
+//! connection task → request), each crossing a wake-up of a parked thread:
+//! at low concurrency that is most of what a new key pays above its two
+//! commits.
+//!
+//! So the store keeps a pool per lane, like the upstream client: lane 0
+//! for the threads that are no worker (the main runtime: batches of the
+//! group commit, renewals, the sweeper, admin), lane `n + 1` for worker
+//! `n`. `store.pool_size` stays the limit for the whole process: lane 0
+//! keeps one connection per group-commit worker and one more (renewals
+//! must find one), and the workers share the rest ([`split`]). Checkouts
+//! are work-conserving:
+//!
+//! 1. the caller's own lane, without waiting: an idle connection, or room
+//!    to open one (opened on the caller's runtime, so it stays local);
+//! 2. else an idle connection of another lane (it crosses threads, as every
+//!    statement did before; better than waiting while one sits idle);
+//! 3. else wait for the caller's own lane, up to `store.timeout`.
+//!
+//! A pool too small to leave each worker a connection is one pool for all.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool::managed::{PoolError, Timeouts};
+use deadpool_postgres::Runtime;
+
+use super::conn::{Conn, Manager, Pool};
+use super::{pool_error, StoreError};
+
+/// Every lane's pool, and how to check out of them.
+#[derive(Clone)]
+pub(crate) struct Pools {
+    pools: Arc<[Pool]>,
+    /// The bounds of a checkout that does not wait for a free connection.
+    no_wait: Timeouts,
+    prepared: bool,
+}
+
+/// How `pool_size` connections are split among `lanes`: lane 0 (the main
+/// runtime) keeps one per group-commit worker and one more, for renewals
+/// and the rest of its work; the workers share the remainder evenly. One
+/// pool for all when that would leave a worker none.
+pub(crate) fn split(pool_size: usize, lanes: usize) -> Vec<usize> {
+    let workers = lanes.saturating_sub(1);
+    let main = 2 * super::records::batch_workers(pool_size) + 1;
+    if workers == 0 || pool_size < main + workers {
+        return vec![pool_size];
+    }
+    let rest = pool_size - main;
+    std::iter::once(main)
+        .chain((0..workers).map(|i| rest / workers + usize::from(i < rest % workers)))
+        .collect()
+}
+
+impl Pools {
+    /// Builds the pools (connecting lazily) for `pool_size` connections in
+    /// all over `lanes` lanes, each connection opened by `manager`'s
+    /// connector and every wait, open and recycle bounded by `timeout`.
+    pub(crate) fn new(
+        manager: impl Fn() -> Manager,
+        pool_size: usize,
+        lanes: usize,
+        timeout: Duration,
+        prepared: bool,
+    ) -> Result<Self, StoreError> {
+        let timeouts = Timeouts {
+            wait: Some(timeout),
+            create: Some(timeout),
+            recycle: Some(timeout),
+        };
+        let pools = split(pool_size, lanes)
+            .into_iter()
+            .map(|size| {
+                Pool::builder(manager())
+                    .max_size(size)
+                    .timeouts(timeouts)
+                    .runtime(Runtime::Tokio1)
+                    .build()
+                    .map_err(|e| StoreError::Pool(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Pools {
+            pools: pools.into(),
+            no_wait: Timeouts {
+                wait: Some(Duration::ZERO),
+                ..timeouts
+            },
+            prepared,
+        })
+    }
+
+    /// The calling thread's lane (lane 0 when there is one pool).
+    fn own(&self) -> usize {
+        let lane = crate::workers::lane().map_or(0, |n| n + 1);
+        if lane < self.pools.len() {
+            lane
+        } else {
+            0
+        }
+    }
+
+    /// A connection, preferring the calling thread's own (module docs).
+    pub(crate) async fn checkout(&self) -> Result<Conn, StoreError> {
+        let own = self.own();
+        let pool = &self.pools[own];
+        match pool.timeout_get(&self.no_wait).await {
+            Ok(object) => return Ok(Conn::new(object, self.prepared)),
+            Err(PoolError::Timeout(_)) => {}
+            Err(e) => return Err(pool_error(e)),
+        }
+        for (lane, other) in self.pools.iter().enumerate() {
+            // Only idle ones: room to open one in another lane would open
+            // it here, on a runtime that is not that lane's.
+            if lane == own || other.status().available == 0 {
+                continue;
+            }
+            if let Ok(object) = other.timeout_get(&self.no_wait).await {
+                return Ok(Conn::new(object, self.prepared));
+            }
+        }
+        let object = pool.get().await.map_err(pool_error)?;
+        Ok(Conn::new(object, self.prepared))
+    }
+
+    /// Occupancy of all the lanes together: (size, available, waiting).
+    pub(crate) fn status(&self) -> (usize, usize, usize) {
+        self.pools
+            .iter()
+            .fold((0, 0, 0), |(size, free, waiting), p| {
+                let s = p.status();
+                (size + s.size, free + s.available, waiting + s.waiting)
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split;
+
+    #[test]
+    fn the_pool_size_is_split_among_the_lanes_and_never_exceeded() {
+        // The shipped pool on two workers: 4 + 4 batch workers and one.
+        assert_eq!(split(16, 3), [9, 4, 3]);
+        assert_eq!(split(8, 3), [5, 2, 1]);
+        assert_eq!(split(16, 1), [16]);
+        for size in 3..64 {
+            for lanes in 1..10 {
+                let s = split(size, lanes);
+                assert_eq!(s.iter().sum::<usize>(), size, "{size} over {lanes}");
+                assert!(s.iter().all(|&n| n > 0), "{size} over {lanes}: {s:?}");
+                assert!(
+                    s[0] > 2 * (size / 4).max(1),
+                    "{size} over {lanes}: the main lane holds its batch workers and one more"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_pool_too_small_to_leave_each_worker_one_is_shared() {
+        assert_eq!(split(3, 3), [3]);
+        assert_eq!(split(4, 3), [4]);
+        assert_eq!(split(7, 3), [3, 2, 2]);
+        assert_eq!(split(16, 9), [16]);
+    }
+}
