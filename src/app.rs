@@ -363,8 +363,8 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
     // runtime: connections stay on the thread that drives them.
     let lanes = options.workers + 1;
     let store = Store::with_lanes(&config.store, lanes).context("building the database pool")?;
-    let upstream = Upstream::with_lanes(&config.upstream, lanes)
-        .context("building the upstream client")?;
+    let upstream =
+        Upstream::with_lanes(&config.upstream, lanes).context("building the upstream client")?;
     let tls = match &config.server.tls {
         Some(files) => Some(
             crate::tls::server_acceptor(files).context("setting up TLS on the proxy listener")?,

@@ -27,15 +27,15 @@
 //! LISTEN connection above all) and on writes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use deadpool::managed::{self, Metrics, Object, RecycleError, RecycleResult};
 use deadpool_postgres::ClientWrapper;
 use tokio_postgres::config::Host;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Config, Row};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::{describe_db_error, tls, StoreError};
 
@@ -60,6 +60,10 @@ pub(crate) struct Connector {
     per_host: Duration,
     /// The host that answered last: tried first.
     preferred: AtomicUsize,
+    /// When a new connection last went to another host than the one
+    /// before it (a failover): pooled connections opened earlier lead to
+    /// the old host and are not reused ([`Manager`]'s recycle).
+    switched: Mutex<Option<Instant>>,
 }
 
 impl Connector {
@@ -77,6 +81,7 @@ impl Connector {
             hosts,
             tls,
             preferred: AtomicUsize::new(0),
+            switched: Mutex::new(None),
         }
     }
 
@@ -103,7 +108,16 @@ impl Connector {
             let attempt = Box::pin(host.connect(self.tls.clone()));
             match tokio::time::timeout(self.per_host, attempt).await {
                 Ok(Ok(pair)) => {
-                    self.preferred.store(i, Ordering::Relaxed);
+                    if self.preferred.swap(i, Ordering::Relaxed) != i {
+                        *self.switched.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(Instant::now());
+                        warn!(
+                            host = %describe_host(host),
+                            "store: connected to another host than before (failover); \
+                             pooled connections to the previous one are closed as they \
+                             are checked out"
+                        );
+                    }
                     return Ok(pair);
                 }
                 Ok(Err(e)) => failures.push(format!(
@@ -122,6 +136,17 @@ impl Connector {
             "cannot connect: {}",
             failures.join("; ")
         )))
+    }
+}
+
+impl Connector {
+    /// Whether a connection opened at `created` predates the last switch
+    /// to another host.
+    pub(crate) fn opened_before_failover(&self, created: Instant) -> bool {
+        self.switched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| created < at)
     }
 }
 
@@ -218,9 +243,22 @@ impl managed::Manager for Manager {
         Ok(ClientWrapper::new(client, task))
     }
 
-    async fn recycle(&self, client: &mut ClientWrapper, _: &Metrics) -> RecycleResult<StoreError> {
+    async fn recycle(
+        &self,
+        client: &mut ClientWrapper,
+        metrics: &Metrics,
+    ) -> RecycleResult<StoreError> {
         if client.is_closed() {
             return Err(RecycleError::message("connection closed"));
+        }
+        // A primary that hangs instead of dying keeps its connections
+        // open: each would cost a request its store.timeout. Once a new
+        // connection has reached another host, the older ones are dropped
+        // unused, in every thread's pool at once.
+        if self.connector.opened_before_failover(metrics.created) {
+            return Err(RecycleError::message(
+                "opened before a failover to another host",
+            ));
         }
         Ok(())
     }
