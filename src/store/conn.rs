@@ -137,9 +137,7 @@ impl Connector {
             failures.join("; ")
         )))
     }
-}
 
-impl Connector {
     /// Whether a connection opened at `created` predates the last switch
     /// to another host.
     pub(crate) fn opened_before_failover(&self, created: Instant) -> bool {
