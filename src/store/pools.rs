@@ -23,7 +23,11 @@
 //!    to open one (opened on the caller's runtime, so it stays local);
 //! 2. else an idle connection of another lane (it crosses threads, as every
 //!    statement did before; better than waiting while one sits idle);
-//! 3. else wait for the caller's own lane, up to `store.timeout`.
+//! 3. else wait, up to `store.timeout`, for the first connection given
+//!    back to the caller's own lane or to any other lane that is full (a
+//!    lane with room would open one here instead; its own thread will). A
+//!    thread whose lane is small never waits while another lane's
+//!    connections come free.
 //!
 //! A pool too small to leave each worker a connection is one pool for all.
 
@@ -32,6 +36,7 @@ use std::time::Duration;
 
 use deadpool::managed::{PoolError, Timeouts};
 use deadpool_postgres::Runtime;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 
 use super::conn::{Conn, Manager, Pool};
 use super::{pool_error, StoreError};
@@ -127,8 +132,29 @@ impl Pools {
                 return Ok(Conn::new(object, self.prepared));
             }
         }
-        let object = pool.get().await.map_err(pool_error)?;
-        Ok(Conn::new(object, self.prepared))
+        // Wait for the own lane, and as well for every other lane that is
+        // at its size: a connection comes from there only once one is given
+        // back, never by opening one on this thread. Whichever comes first.
+        let mut waits: FuturesUnordered<_> = self
+            .pools
+            .iter()
+            .enumerate()
+            .filter(|&(lane, other)| {
+                let s = other.status();
+                lane == own || s.size >= s.max_size
+            })
+            .map(|(lane, pool)| async move { (lane, pool.get().await) })
+            .collect();
+        while let Some((lane, got)) = waits.next().await {
+            match got {
+                Ok(object) => return Ok(Conn::new(object, self.prepared)),
+                // The own lane's error (its wait ran out, or opening a
+                // connection failed) is the answer; another lane's is not.
+                Err(e) if lane == own => return Err(pool_error(e)),
+                Err(_) => {}
+            }
+        }
+        unreachable!("the own lane is always waited for")
     }
 
     /// Occupancy of all the lanes together: (size, available, waiting).
