@@ -38,6 +38,13 @@ pub fn lane() -> Option<usize> {
     LANE.with(Cell::get)
 }
 
+/// Makes this thread worker `lane` (`None`: no worker), for tests of what
+/// depends on the lane.
+#[cfg(test)]
+pub(crate) fn set_lane(lane: Option<usize>) {
+    LANE.with(|l| l.set(lane));
+}
+
 /// The number of workers: `TOKIO_WORKER_THREADS` when set, else one per CPU
 /// available to the process (affinity and cgroup quota included). A value
 /// that is not a positive whole number is refused.

@@ -170,7 +170,97 @@ impl Pools {
 
 #[cfg(test)]
 mod tests {
-    use super::split;
+    use std::time::{Duration, Instant};
+
+    use super::{split, Pools};
+    use crate::config::{OnStoreError, Secret, StoreConfig};
+    use crate::store::conn::Manager;
+    use crate::workers::set_lane;
+
+    /// The pools of `pool_size` connections over `lanes` lanes, on the test
+    /// database (as `scripts/dev test` exports it, else the local server).
+    fn pools(pool_size: usize, lanes: usize, timeout: Duration) -> Pools {
+        let url = std::env::var("IDEMPROXY_TEST_DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        let config = StoreConfig {
+            database_url: Secret::new(url.clone()),
+            pool_size,
+            timeout,
+            on_store_error: OnStoreError::Reject,
+            ca_file: None,
+            response_cache: 0,
+            response_cache_ttl: Duration::from_secs(1),
+            prepared_statements: false,
+            listen_url: None,
+        };
+        let connector = crate::store::connector(&url, &config).unwrap();
+        Pools::new(
+            || Manager {
+                connector: connector.clone(),
+            },
+            pool_size,
+            lanes,
+            timeout,
+            false,
+        )
+        .unwrap()
+    }
+
+    // Work-conserving: a worker whose own share is busy and finds nothing
+    // idle does not wait for its own share alone. 8 over two workers is
+    // 5 (main) + 2 (worker 0) + 1 (worker 1).
+    #[tokio::test]
+    async fn a_thread_whose_share_is_busy_takes_the_first_connection_given_back_to_a_full_one() {
+        let pools = pools(8, 3, Duration::from_secs(5));
+        let mut held = Vec::new();
+        for (lane, n) in [(Some(1), 1), (Some(0), 2), (None, 5)] {
+            set_lane(lane);
+            for _ in 0..n {
+                held.push(pools.checkout().await.unwrap());
+            }
+        }
+        assert_eq!(pools.status(), (8, 0, 0), "every share full");
+        let given_back = held.pop().expect("one of the main thread's");
+        // Worker 1 asks (its lane is read when the checkout starts); one of
+        // the main thread's comes free 200 ms later.
+        set_lane(Some(1));
+        let started = Instant::now();
+        let (got, ()) = tokio::join!(pools.checkout(), async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            drop(given_back);
+        });
+        set_lane(None);
+        let waited = started.elapsed();
+        let _conn = got.expect("a connection, not the 5 s timeout");
+        assert!(
+            waited < Duration::from_secs(3),
+            "took {waited:?}: it waited for its own share"
+        );
+        assert_eq!(pools.status(), (8, 0, 0));
+    }
+
+    // The own share's timeout is still the answer when nothing comes free.
+    #[tokio::test]
+    async fn a_checkout_with_nothing_given_back_times_out_after_the_store_timeout() {
+        let pools = pools(8, 3, Duration::from_millis(300));
+        let mut held = Vec::new();
+        for (lane, n) in [(Some(1), 1), (Some(0), 2), (None, 5)] {
+            set_lane(lane);
+            for _ in 0..n {
+                held.push(pools.checkout().await.unwrap());
+            }
+        }
+        set_lane(Some(1));
+        let started = Instant::now();
+        let got = pools.checkout().await;
+        set_lane(None);
+        assert!(got.is_err());
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
+            "{waited:?}"
+        );
+    }
 
     #[test]
     fn the_pool_size_is_split_among_the_lanes_and_never_exceeded() {
