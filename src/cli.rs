@@ -43,11 +43,20 @@ pub enum LogFormat {
 /// Options every subcommand shares.
 #[derive(Debug, Args)]
 pub struct Common {
-    /// Configuration file (TOML). Without it, the built-in defaults apply.
-    /// Every key of [server], [upstream], [store], [sweeper] and [defaults]
-    /// can also be set as IDEMPROXY_<SECTION>_<KEY> (or, read from a file,
-    /// IDEMPROXY_<SECTION>_<KEY>_FILE), which beats the file.
-    #[arg(long, short = 'c', env = "IDEMPROXY_CONFIG", value_name = "FILE")]
+    /// Configuration file (TOML); every key of its sections can also come
+    /// from the environment (the help text says how).
+    #[arg(
+        long,
+        short = 'c',
+        env = "IDEMPROXY_CONFIG",
+        value_name = "FILE",
+        // Given here rather than as the doc comment, which rustdoc would
+        // read as links and HTML tags.
+        help = "Configuration file (TOML). Without it, the built-in defaults apply. \
+                Every key of [server], [upstream], [store], [sweeper] and [defaults] \
+                can also be set as IDEMPROXY_<SECTION>_<KEY> (or, read from a file, \
+                IDEMPROXY_<SECTION>_<KEY>_FILE), which beats the file"
+    )]
     pub config: Option<PathBuf>,
     /// PostgreSQL URL; overrides IDEMPROXY_DATABASE_URL and store.database_url.
     /// Prefer the environment (IDEMPROXY_DATABASE_URL_FILE for a secret):

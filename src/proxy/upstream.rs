@@ -8,8 +8,8 @@
 //! released and the client gets 502.
 //!
 //! The client is our own, over `hyper::client::conn::http1`: there is one
-//! upstream, so its pool ([`pool`]) is a stack keyed by nothing, and new
-//! connections are made by [`connect`]. What it keeps of hyper-util's
+//! upstream, so its pool (`pool`) is a stack keyed by nothing, and new
+//! connections are made by `connect`. What it keeps of hyper-util's
 //! legacy client is the one behaviour a proxy depends on: a pooled
 //! connection that the upstream closed while it sat idle does not fail a
 //! request never written to it. hyper hands such a request back

@@ -22,7 +22,7 @@
 //!
 //! On a Citus coordinator (the `citus` extension installed in the
 //! database) every run also makes sure the records table is distributed
-//! by `idempotency_key` ([`distribute`]), in the same transaction under the
+//! by `idempotency_key` (`distribute`), in the same transaction under the
 //! same lock: a fresh table when the first migration just created it, an
 //! existing one (data included: `create_distributed_table` copies it to the
 //! shards) when the extension arrived later. Not a numbered migration: the
@@ -134,7 +134,7 @@ pub async fn run(client: &mut Client) -> Result<Vec<i32>, StoreError> {
     Ok(done)
 }
 
-/// The table [`distribute`] distributes.
+/// The table `distribute` distributes.
 pub const RECORDS_TABLE: &str = "idempotency_records";
 
 /// Its distribution column on Citus. The primary key is `(tenant_id,

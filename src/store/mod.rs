@@ -24,7 +24,7 @@
 //! # Citus
 //!
 //! On a Citus coordinator (the `citus` extension installed in the
-//! database, detected once per store: [`Flavor`]) the records table is
+//! database, detected once per store: `Flavor`) the records table is
 //! distributed by `idempotency_key` ([`migrate`]) and every statement of the
 //! request path filters by the whole primary key, so the coordinator routes
 //! it to the one shard of its key. Four forms differ there

@@ -1,7 +1,7 @@
 //! The process's one listening connection on the key channel.
 //!
 //! Owners that complete or release a key on a waiting route, and operators
-//! that release one, send `NOTIFY` on [`CHANNEL`](super::sql::CHANNEL) with
+//! that release one, send `NOTIFY` on [`CHANNEL`] with
 //! the key's id. Each process keeps one direct connection (`listen_url`: a
 //! pooler in transaction mode would silently drop notifications) that
 //! LISTENs and hands every id to `on_change`; after each (re)connection it
