@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue, CONNECTION, DATE};
+use http::header::{Entry, HeaderName, HeaderValue, CONNECTION, DATE};
 use http::HeaderMap;
 
 /// Headers that belong to one connection, never forwarded nor stored.
@@ -29,25 +29,34 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
 }
 
 /// Names listed in the `Connection` header(s).
-fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
+fn connection_listed(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
     headers
         .get_all(CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect()
 }
 
 /// Removes every hop-by-hop header, including those named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages have none (`Connection` is one itself, so a message
+    // Most requests have none (`Connection` is one itself, so a message
     // without any names nothing either): one pass, no allocation.
     if !headers.keys().any(is_hop_by_hop) {
         return;
     }
-    for name in connection_listed(headers) {
+    // Most responses have one, `Connection: keep-alive`, whose tokens are
+    // all hop-by-hop by name: only a token that is not needs its own
+    // removal (and this Vec its allocation).
+    let extra: Vec<HeaderName> = connection_listed(headers)
+        .filter(|n| !is_hop_by_hop(n))
+        .collect();
+    for name in extra {
         headers.remove(name);
+    }
+    headers.remove(CONNECTION);
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
     }
     let fixed: Vec<HeaderName> = headers
         .keys()
@@ -63,7 +72,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// and `Date` (a replay gets a fresh one) left out, repeated headers kept
 /// as separate entries in order.
 pub fn capture(headers: &HeaderMap) -> Vec<(String, Bytes)> {
-    let listed = connection_listed(headers);
+    let listed: Vec<HeaderName> = connection_listed(headers).collect();
     headers
         .iter()
         .filter(|(n, _)| !is_hop_by_hop(n) && !listed.contains(n) && *n != DATE)
@@ -78,12 +87,16 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// Appends `value` to a possibly repeated, comma-separated header; the
 /// value itself when the header is absent (the common case: no copy).
 fn append_list(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
-    if !headers.contains_key(&name) {
-        headers.insert(name, value);
-        return;
-    }
+    // One lookup for the common case (entry, not contains_key + insert).
+    let mut present = match headers.entry(name) {
+        Entry::Vacant(e) => {
+            e.insert(value);
+            return;
+        }
+        Entry::Occupied(e) => e,
+    };
     let mut joined = Vec::new();
-    for v in headers.get_all(&name).iter().chain([&value]) {
+    for v in present.iter().chain([&value]) {
         // A value with obs-text is kept out, as before: the list stays
         // a list of visible strings.
         if v.to_str().is_err() {
@@ -95,7 +108,8 @@ fn append_list(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
         joined.extend_from_slice(v.as_bytes());
     }
     if let Ok(v) = HeaderValue::from_bytes(&joined) {
-        headers.insert(name, v);
+        // Replaces every value the client sent with the one joined list.
+        present.insert(v);
     }
 }
 
@@ -154,6 +168,39 @@ mod tests {
         strip_hop_by_hop(&mut h);
         let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         assert_eq!(names, ["content-type", "idempotency-key"]);
+    }
+
+    #[test]
+    fn a_keep_alive_answer_loses_only_its_connection_headers() {
+        // The common upstream answer: `Connection` lists only names that
+        // are hop-by-hop themselves, in any case.
+        let mut h = map(&[
+            ("server", "nginx"),
+            ("connection", "Keep-Alive"),
+            ("keep-alive", "timeout=5"),
+            ("content-length", "2"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["server", "content-length"]);
+
+        let mut h = map(&[("connection", "close"), ("content-type", "text/plain")]);
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["content-type"]);
+    }
+
+    #[test]
+    fn a_name_listed_in_a_second_connection_header_is_removed_too() {
+        let mut h = map(&[
+            ("connection", "keep-alive"),
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+            ("x-end", "2"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-end"]);
     }
 
     #[test]
