@@ -90,31 +90,11 @@ impl Handler for Proxy {
         req: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<ProxyBody> {
-        // A request that may own a claim runs as work of the lifecycle, in a
-        // task of its own, not inside its connection's future: when a client
-        // gives up and closes the connection, hyper drops that future and
-        // everything polled by it, and an owned claim must outlive its
-        // client (see `lifecycle`). The drain waits for these tasks.
-        // Pass-through requests own nothing: they run inline, sparing the
-        // hot path a task per request.
+        // Inline, in the connection's task: a pass-through or a cached
+        // replay owns nothing. The keyed path, which may own a claim, moves
+        // to a task of its own there (`Proxy::handle`).
         let routing = self.routing(&req);
-        if !self.may_claim(&req, &routing) {
-            return self.handle(req, client, routing).await;
-        }
-        let lifecycle = self.lifecycle().clone();
-        match lifecycle
-            .spawn_work(async move { self.handle(req, client, routing).await })
-            .await
-        {
-            Ok(response) => response,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // Cancelled: only when the runtime itself shuts down.
-            Err(_) => {
-                let mut response = Response::new(crate::proxy::full(bytes::Bytes::new()));
-                *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
-                response
-            }
-        }
+        self.handle(req, client, routing).await
     }
 }
 

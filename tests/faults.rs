@@ -863,6 +863,27 @@ async fn client_giving_up_mid_flight_does_not_abandon_the_claim() {
         read_row(&sql, "", "k-giveup").await.unwrap().state == "completed"
     })
     .await;
+    // And it is accounted for, though nobody got the answer: counted as
+    // claimed, with its access line.
+    eventually(
+        Duration::from_secs(5),
+        "the given-up request counted",
+        || async {
+            proxy
+                .metric("idemproxy_requests_total{outcome=\"claimed\"}")
+                .await
+                == 1.0
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(5), "its access line", || async {
+        proxy.proc.log_text().lines().any(|l| {
+            l.contains("idemproxy::access")
+                && l.contains("key=\"k-giveup\"")
+                && l.contains("outcome=\"claimed\"")
+        })
+    })
+    .await;
     let retry = proxy.post("k-giveup", PAY, &[]).await;
     assert!(retry.replayed(), "{}", retry.text());
     assert_eq!(retry.header("x-request-echo-attempt"), Some("1"));

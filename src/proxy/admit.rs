@@ -44,8 +44,10 @@ pub(super) enum Admission<'a> {
 
 /// A keyed request, admitted and fingerprinted.
 pub(super) struct Keyed<'a> {
-    /// The route that keys it.
+    /// The route that keys it, and its index in the configuration's
+    /// routes (a spawned task finds it again from there).
     pub(super) route: &'a Route,
+    pub(super) route_index: usize,
     /// The tenant and the key (as the client sent it, unquoted).
     pub(super) record: RecordKey,
     /// What a duplicate must match.
@@ -103,11 +105,13 @@ impl Proxy {
     /// Admits a request: `matched` is the route covering its path, if any.
     pub(super) async fn admit<'a>(
         &self,
-        matched: Option<&'a Route>,
+        matched: Option<(usize, &'a Route)>,
         req: Request<Incoming>,
         client: &ClientInfo,
     ) -> Admission<'a> {
-        let Some(route) = matched.filter(|r| r.policy.methods.contains(req.method())) else {
+        let Some((route_index, route)) =
+            matched.filter(|(_, r)| r.policy.methods.contains(req.method()))
+        else {
             return Admission::PassThrough(req);
         };
         let policy = &route.policy;
@@ -134,6 +138,7 @@ impl Proxy {
         let fingerprint = fingerprint(policy.fingerprint, &parts, &body).await;
         Admission::Keyed(Keyed {
             route,
+            route_index,
             record: RecordKey::new(tenant, key),
             fingerprint,
             parts,

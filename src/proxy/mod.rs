@@ -60,7 +60,7 @@ use crate::metrics::{Metrics, Outcome};
 use crate::store::Store;
 use crate::waiters::Waiters;
 use access::{AccessLine, Counted, Logged, RequestBytes, RequestIds, REQUEST_ID};
-use admit::Admission;
+use admit::{Admission, Keyed};
 use problem::{Problem, ProblemKind};
 use upstream::Upstream;
 
@@ -238,17 +238,6 @@ impl Proxy {
         }))
     }
 
-    /// Whether a request may end up owning a claim: a keyed method on a
-    /// route, carrying the key header. Cheap: headers only.
-    pub fn may_claim<B>(&self, req: &Request<B>, routing: &Routing) -> bool {
-        let route = match &routing.0 {
-            Ok((_, Some(i))) => &self.config.routes[*i],
-            _ => return false,
-        };
-        route.policy.methods.contains(req.method())
-            && req.headers().contains_key(&route.policy.key_header)
-    }
-
     /// The normal form of a path (see `path`) and the route it matches,
     /// or why the path is refused.
     fn resolve<'p>(&self, raw: &'p str) -> Result<(Cow<'p, str>, Option<&Route>), Problem> {
@@ -275,7 +264,7 @@ impl Proxy {
     /// path, then account for it once (metrics now, the access line when
     /// the response body is done). `routing` is [`Proxy::routing`] of it.
     pub async fn handle(
-        &self,
+        self: &Arc<Self>,
         mut req: Request<Incoming>,
         client: ClientInfo,
         routing: Routing,
@@ -324,9 +313,9 @@ impl Proxy {
                 }
             }
         }
-        let matched = matched.map(|i| &self.config.routes[i]);
+        let matched = matched.map(|i| (i, &self.config.routes[i]));
         // Labelled by the route that covers the path, keyed method or not.
-        let route_label = matched.map_or("unrouted", |r| r.name.as_str());
+        let route_label = matched.map_or("unrouted", |(_, r)| r.name.as_str());
         if logged {
             line.path = normal.unwrap_or_else(|| req.uri().path().to_owned());
             line.route = route_label.to_owned();
@@ -346,21 +335,68 @@ impl Proxy {
             Admission::Keyed(k) => {
                 line.key = Some(k.record.key.as_str().to_owned());
                 line.request_bytes = RequestBytes::Known(k.body.len() as u64);
-                // A replay this replica holds needs no future at all.
-                // Otherwise boxed: the keyed path's state is large, and a
-                // future holds the largest state of any of its branches,
-                // so inline it would make every pass-through's future
-                // (moved several times as it is built) as large.
-                let h = match self.cached_replay(&k) {
-                    Some(h) => h,
-                    None => Box::pin(self.keyed(&k)).await,
-                };
-                line.timings = Some(k.timings.millis());
-                h
+                // A replay this replica holds owns nothing: answered here,
+                // in the connection's task.
+                match self.cached_replay(&k) {
+                    Some(h) => {
+                        line.timings = Some(k.timings.millis());
+                        h
+                    }
+                    None => return self.detached(k, line).await,
+                }
             }
         };
         line.attempt = handled.attempt;
         self.respond(handled.response, handled.outcome, route_label, line)
+    }
+
+    /// Runs the keyed path, which may own a claim, and accounts for it,
+    /// as work of the lifecycle in a task of its own, not inside the
+    /// connection's future: when a client gives up and closes the
+    /// connection, hyper drops that future and everything polled by it,
+    /// and an owned claim must outlive its client (see `lifecycle`), as
+    /// must its metrics and its access line. The drain waits for these
+    /// tasks.
+    async fn detached(self: &Arc<Self>, k: Keyed<'_>, mut line: AccessLine) -> Response<ProxyBody> {
+        let Keyed {
+            route: _,
+            route_index,
+            record,
+            fingerprint,
+            parts,
+            body,
+            client,
+            timings,
+        } = k;
+        let this = Arc::clone(self);
+        let work = async move {
+            let route = &this.config.routes[route_index];
+            let k = Keyed {
+                route,
+                route_index,
+                record,
+                fingerprint,
+                parts,
+                body,
+                client,
+                timings,
+            };
+            let handled = this.keyed(&k).await;
+            line.timings = Some(k.timings.millis());
+            line.attempt = handled.attempt;
+            this.respond(handled.response, handled.outcome, &route.name, line)
+        };
+        match self.lifecycle.spawn_work(work).await {
+            Ok(response) => response,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Cancelled: only when the runtime itself shuts down, and with
+            // it this connection; the answer is never sent.
+            Err(_) => {
+                let mut response = Response::new(full(Bytes::new()));
+                *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+                response
+            }
+        }
     }
 
     /// Counts the request, stamps its id on the response, and leaves the
