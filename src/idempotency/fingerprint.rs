@@ -10,7 +10,6 @@
 //! raw bytes.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::fmt;
 
 use sha2::{Digest, Sha256};
@@ -120,7 +119,7 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     // serde_json decides what is JSON (grammar, UTF-8, escapes, depth); the
     // walk below then only ever sees valid documents.
     serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
-    let mut walker = Walker { src: body, at: 0 };
+    let mut walker = Walker::new(body);
     let mut out = Vec::with_capacity(body.len());
     walker.value(&mut out, 0)?;
     walker.skip_ws();
@@ -135,9 +134,31 @@ const MAX_DEPTH: usize = 128;
 struct Walker<'a> {
     src: &'a [u8],
     at: usize,
+    /// The members of the objects being walked, innermost last: each
+    /// object uses the part above where its parent's ended.
+    members: Vec<Member<'a>>,
+    /// Where an object's members are copied to be written again in order.
+    scratch: Vec<u8>,
+}
+
+/// One member of an object: its key and where `"key":value` was written
+/// in the output.
+struct Member<'a> {
+    key: Cow<'a, str>,
+    start: usize,
+    end: usize,
 }
 
 impl<'a> Walker<'a> {
+    fn new(src: &'a [u8]) -> Self {
+        Walker {
+            src,
+            at: 0,
+            members: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
     fn skip_ws(&mut self) {
         while matches!(self.src.get(self.at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
             self.at += 1;
@@ -230,38 +251,62 @@ impl<'a> Walker<'a> {
         Some(())
     }
 
+    /// An object, its members sorted by key bytes (UTF-8 order is byte
+    /// order); a repeated key keeps its last value. The members are
+    /// written out as they come; only an object whose keys were not
+    /// already in strictly ascending order is then rewritten in order,
+    /// through one scratch buffer the whole walk shares: no allocation
+    /// per member or per object.
     fn object(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
         self.at += 1;
-        // Sorted by key bytes (UTF-8 order is byte order); a repeated key
-        // keeps its last value.
-        let mut members: BTreeMap<Cow<'a, str>, Vec<u8>> = BTreeMap::new();
+        out.push(b'{');
+        let base = self.members.len();
+        let first = out.len();
         if !self.eat(b'}') {
             loop {
                 self.skip_ws();
+                let start = out.len();
                 let key = self.string()?;
                 if !self.eat(b':') {
                     return None;
                 }
-                let mut value = Vec::new();
-                self.value(&mut value, depth + 1)?;
-                members.insert(key, value);
+                write_string(out, &key);
+                out.push(b':');
+                self.value(out, depth + 1)?;
+                self.members.push(Member {
+                    key,
+                    start,
+                    end: out.len(),
+                });
                 if self.eat(b'}') {
                     break;
                 }
                 if !self.eat(b',') {
                     return None;
                 }
-            }
-        }
-        out.push(b'{');
-        for (i, (key, value)) in members.iter().enumerate() {
-            if i > 0 {
                 out.push(b',');
             }
-            write_string(out, key);
-            out.push(b':');
-            out.extend_from_slice(value);
         }
+        let members = &mut self.members[base..];
+        if !members.windows(2).all(|m| m[0].key < m[1].key) {
+            // Stable: of equal keys the last stays last.
+            members.sort_by(|a, b| a.key.cmp(&b.key));
+            self.scratch.clear();
+            self.scratch.extend_from_slice(&out[first..]);
+            out.truncate(first);
+            let mut written = false;
+            for (i, m) in members.iter().enumerate() {
+                if members.get(i + 1).is_some_and(|next| next.key == m.key) {
+                    continue;
+                }
+                if written {
+                    out.push(b',');
+                }
+                out.extend_from_slice(&self.scratch[m.start - first..m.end - first]);
+                written = true;
+            }
+        }
+        self.members.truncate(base);
         out.push(b'}');
         Some(())
     }
@@ -502,6 +547,15 @@ mod tests {
         }
 
         #[test]
+        fn the_canonical_form_is_serde_jsons_sorted_compact_form(v in json_value()) {
+            // serde_json's Value keeps an object's members sorted by key
+            // and writes compact JSON: the reference, whatever order and
+            // spacing the client used.
+            let reference = serde_json::to_vec(&v).unwrap();
+            prop_assert_eq!(canonical_json(reorder(&v).as_bytes()).unwrap(), reference);
+        }
+
+        #[test]
         fn canonicalisation_is_idempotent(v in json_value()) {
             let once = canonical_json(serde_json::to_string(&v).unwrap().as_bytes()).unwrap();
             let twice = canonical_json(&once).unwrap();
@@ -695,11 +749,37 @@ mod tests {
                 if expected.is_none() {
                     continue;
                 }
-                let mut walker = Walker { src: token.as_bytes(), at: 0 };
+                let mut walker = Walker::new(token.as_bytes());
                 let got = walker.string().map(Cow::into_owned);
                 prop_assert_eq!(got, expected);
                 prop_assert_eq!(walker.at, token.len());
             }
+        }
+    }
+
+    #[test]
+    fn nested_unsorted_objects_and_repeated_keys_are_canonical() {
+        // Inner objects are put in order before their parent is; a
+        // repeated key keeps its last value wherever the first one sat.
+        let cases: [(&str, &str); 5] = [
+            (
+                r#"{"b":{"d":1,"c":{"f":2,"e":3}},"a":[{"z":1,"y":2}],"b":3}"#,
+                r#"{"a":[{"y":2,"z":1}],"b":3}"#,
+            ),
+            (
+                r#"{"b":1,"a":{"y":[{"q":1,"p":2}],"x":0},"b":{"n":1,"m":2}}"#,
+                r#"{"a":{"x":0,"y":[{"p":2,"q":1}]},"b":{"m":2,"n":1}}"#,
+            ),
+            (r#"{"a":1,"b":2,"a":3}"#, r#"{"a":3,"b":2}"#),
+            (r#"{"a":1,"a":2,"a":3}"#, r#"{"a":3}"#),
+            (r#"{ }"#, r#"{}"#),
+        ];
+        for (input, canonical) in cases {
+            assert_eq!(
+                String::from_utf8(canonical_json(input.as_bytes()).unwrap()).unwrap(),
+                canonical,
+                "{input}"
+            );
         }
     }
 
