@@ -40,9 +40,11 @@ pub struct Cached {
     pub response: Arc<StoredResponse>,
     /// When the record expires (the database's clock).
     pub expires_at: SystemTime,
-    /// `expires_at` as its replays' `Idempotency-Key-Expires` value,
-    /// formatted once when the entry is made.
-    pub expires_header: Option<http::HeaderValue>,
+    /// Its replays' headers, built once when the entry is made: the
+    /// stored ones (their values share the stored bytes), then the
+    /// proxy's own (`Idempotency-Replayed`, `Idempotency-Key-Expires`).
+    /// A replay clones the map instead of parsing every name again.
+    pub headers: http::HeaderMap,
 }
 
 struct Entry {
@@ -94,9 +96,15 @@ pub struct ResponseCache {
 
 /// What an entry costs in memory, allocator overhead included: the bytes,
 /// plus per allocation (each header name and value, tenant, key, the key id
-/// twice, the response, the map and queue slots) a measured allowance.
+/// twice, the response, the map and queue slots) a measured allowance. A
+/// header counts its name twice (stored, and in the replay's prebuilt map,
+/// whose values share the stored bytes) and the map's slot.
 fn size_of(tenant: &str, key: &str, r: &StoredResponse) -> usize {
-    let headers: usize = r.headers.iter().map(|(n, v)| n.len() + v.len() + 96).sum();
+    let headers: usize = r
+        .headers
+        .iter()
+        .map(|(n, v)| 2 * n.len() + v.len() + 96 + 64)
+        .sum();
     tenant.len() + key.len() + headers + r.body.as_ref().map_or(0, |b| b.len()) + 512
 }
 
@@ -146,8 +154,8 @@ impl ResponseCache {
             return None;
         }
         let (tenant, key) = (&record.tenant, &record.key);
-        let id = record.id().to_string();
-        let found = self.lookup(&id, tenant.as_str(), key.as_str());
+        let id = record.id().channel();
+        let found = self.lookup(id.as_str(), tenant.as_str(), key.as_str());
         let tally = if found.is_some() {
             &self.hits
         } else {
@@ -330,7 +338,7 @@ mod tests {
                 body: Some(Bytes::from(vec![b'x'; body])),
             }),
             expires_at: now + expires_in,
-            expires_header: None,
+            headers: http::HeaderMap::new(),
         }
     }
 

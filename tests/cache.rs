@@ -21,14 +21,29 @@ async fn warm_replays_are_served_without_a_database_round_trip() {
     let first = h.post("/v1/payments", "k-cached", PAY).await;
     // The first replay reads the database and warms the cache.
     let before = claim_statements(&h);
-    assert!(h.post("/v1/payments", "k-cached", PAY).await.replayed());
+    let from_db = h.post("/v1/payments", "k-cached", PAY).await;
+    assert!(from_db.replayed());
     assert_eq!(claim_statements(&h), before + 1.0, "first replay: one read");
+    // Every header but the per-answer ones, in order, repeats included.
+    let kept = |r: &support::http::Resp| -> Vec<(String, Vec<u8>)> {
+        r.headers
+            .iter()
+            .filter(|(n, _)| !matches!(n.as_str(), "date" | "x-request-id"))
+            .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+            .collect()
+    };
     let before = claim_statements(&h);
     for _ in 0..5 {
         let r = h.post("/v1/payments", "k-cached", PAY).await;
         assert!(r.replayed());
+        assert_eq!(r.status, from_db.status);
         assert_eq!(r.body, first.body);
         assert!(r.header("idempotency-key-expires").is_some());
+        assert_eq!(
+            kept(&r),
+            kept(&from_db),
+            "a cached replay is the database's"
+        );
     }
     assert_eq!(
         claim_statements(&h),

@@ -85,13 +85,34 @@ impl KeyId {
     pub fn hex(&self) -> String {
         hex::encode(self.0)
     }
+
+    /// The channel form (see `Display`) without allocating: a cache
+    /// lookup needs it on every keyed request.
+    pub fn channel(&self) -> ChannelForm {
+        let mut hex = [0u8; 32];
+        // 16 bytes always fit 32 hex digits.
+        let _ = hex::encode_to_slice(&self.0[..16], &mut hex);
+        ChannelForm(hex)
+    }
+}
+
+/// A key id's channel form, on the stack.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ChannelForm([u8; 32]);
+
+impl ChannelForm {
+    /// The 32 lowercase hex digits.
+    pub fn as_str(&self) -> &str {
+        // Hex digits are ASCII.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
 }
 
 /// The channel form: hex of the first 16 bytes (32 characters), what a
 /// notification carries and the cache is keyed by.
 impl fmt::Display for KeyId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&hex::encode(&self.0[..16]))
+        f.write_str(self.channel().as_str())
     }
 }
 
@@ -116,6 +137,9 @@ mod tests {
         assert_ne!(a, KeyId::new(&TenantId::from_stored("b"), &k("b")));
         assert_ne!(a, KeyId::new(&TenantId::from_stored("a:b"), &k("c")));
         assert_eq!(a, KeyId::of_stored("a", "b"));
+        // The channel form is the first half of the hex digest.
+        assert_eq!(a.channel().as_str(), &a.hex()[..32]);
+        assert_eq!(a.to_string(), a.channel().as_str());
         // The boundary itself: the same bytes split at another place (the
         // separator is what tells them apart).
         assert_ne!(KeyId::of_stored("a", "bc"), KeyId::of_stored("ab", "c"));

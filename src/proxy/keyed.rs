@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use http::header::{HeaderName, HeaderValue};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
 use tokio::sync::futures::Notified;
 use tracing::warn;
@@ -112,27 +112,31 @@ impl Proxy {
             // A mismatch is the database's to answer.
             return None;
         }
-        let mut h = replay(Some(&c.response));
-        if let Some(v) = c.expires_header {
-            h.response.headers_mut().insert(EXPIRES, v);
-        }
-        Some(h)
+        let Some(body) = &c.response.body else {
+            return Some(replay(Some(&c.response), c.headers.get(EXPIRES)));
+        };
+        let mut resp = Response::new(full(body.clone()));
+        *resp.status_mut() = replay_status(c.response.status);
+        *resp.headers_mut() = c.headers;
+        Some(Handled::new(resp, Outcome::Replayed))
     }
 
     /// Replays a completed record read from the database, and caches it for
     /// the next retry.
     fn replay_existing(&self, k: &Keyed<'_>, existing: Existing, ticket: Ticket) -> Handled {
-        let mut h = replay(existing.response.as_ref());
-        let expires_header = expires_header(existing.view.expires_at);
-        if let Some(v) = &expires_header {
-            h.response.headers_mut().insert(EXPIRES, v.clone());
-        }
+        let expires = expires_header(existing.view.expires_at);
+        let h = replay(existing.response.as_ref(), expires.as_ref());
         if let Some(response) = existing.response {
+            let headers = if response.body.is_some() {
+                h.response.headers().clone()
+            } else {
+                replay_headers(&response, expires.as_ref())
+            };
             let cached = Cached {
                 fingerprint: existing.view.fingerprint,
                 response: Arc::new(response),
                 expires_at: existing.view.expires_at,
-                expires_header,
+                headers,
             };
             self.cache.put(&k.record, cached, existing.now, ticket);
         }
@@ -298,10 +302,11 @@ fn mismatch(k: &Keyed<'_>) -> Handled {
     )
 }
 
-/// A replay: the stored status, headers and body bytes, marked replayed.
-fn replay(stored: Option<&StoredResponse>) -> Handled {
+/// A replay: the stored status, headers and body bytes, marked replayed
+/// and, when known, with the record's `Idempotency-Key-Expires`.
+fn replay(stored: Option<&StoredResponse>, expires: Option<&HeaderValue>) -> Handled {
     let Some(stored) = stored else {
-        return Handled::problem(
+        let mut h = Handled::problem(
             Problem::new(
                 ProblemKind::StoreUnavailable,
                 "the stored response could not be read",
@@ -309,6 +314,10 @@ fn replay(stored: Option<&StoredResponse>) -> Handled {
             .retry_after(1),
             Outcome::StoreError,
         );
+        if let Some(v) = expires {
+            h.response.headers_mut().insert(EXPIRES, v.clone());
+        }
+        return h;
     };
     let Some(body) = &stored.body else {
         let mut resp = Problem::new(
@@ -321,19 +330,39 @@ fn replay(stored: Option<&StoredResponse>) -> Handled {
         .into_response();
         resp.headers_mut()
             .insert(REPLAYED, HeaderValue::from_static("true"));
+        if let Some(v) = expires {
+            resp.headers_mut().insert(EXPIRES, v.clone());
+        }
         return Handled::new(resp, Outcome::Replayed);
     };
     let mut resp = Response::new(full(body.clone()));
-    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    *resp.status_mut() = replay_status(stored.status);
+    *resp.headers_mut() = replay_headers(stored, expires);
+    Handled::new(resp, Outcome::Replayed)
+}
+
+/// The stored status (a stored value that is not one, impossible from
+/// our own writes, answers 502).
+fn replay_status(status: u16) -> StatusCode {
+    StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY)
+}
+
+/// A replay's headers: the stored ones in order, repeated ones kept (a
+/// name or value that is no longer valid is left out), then
+/// `Idempotency-Replayed` and, when known, `Idempotency-Key-Expires`.
+fn replay_headers(stored: &StoredResponse, expires: Option<&HeaderValue>) -> HeaderMap {
+    let mut headers = HeaderMap::with_capacity(stored.headers.len() + 2);
     for (name, value) in &stored.headers {
         if let (Ok(n), Ok(v)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_maybe_shared(value.clone()),
         ) {
-            resp.headers_mut().append(n, v);
+            headers.append(n, v);
         }
     }
-    resp.headers_mut()
-        .insert(REPLAYED, HeaderValue::from_static("true"));
-    Handled::new(resp, Outcome::Replayed)
+    headers.insert(REPLAYED, HeaderValue::from_static("true"));
+    if let Some(v) = expires {
+        headers.insert(EXPIRES, v.clone());
+    }
+    headers
 }
