@@ -40,9 +40,9 @@ pub struct Cached {
     pub response: Arc<StoredResponse>,
     /// When the record expires (the database's clock).
     pub expires_at: SystemTime,
-    /// Its replays' headers, built once when the entry is made: the
-    /// stored ones (their values share the stored bytes), then the
-    /// proxy's own (`Idempotency-Replayed`, `Idempotency-Key-Expires`).
+    /// Its replays' headers, as the replay that filled the entry answered
+    /// them: the stored ones (their values share the stored bytes), then
+    /// the proxy's own (`Idempotency-Replayed`, `Idempotency-Key-Expires`).
     /// A replay clones the map instead of parsing every name again.
     pub headers: http::HeaderMap,
 }
@@ -280,6 +280,11 @@ impl ResponseCache {
         inner.bytes = 0;
         inner.epoch += 1;
         inner.cleared = inner.epoch;
+    }
+
+    /// Whether it may hold anything (a budget above 0).
+    pub fn enabled(&self) -> bool {
+        self.max_bytes > 0
     }
 
     /// Bytes held.

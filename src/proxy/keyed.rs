@@ -126,12 +126,11 @@ impl Proxy {
     fn replay_existing(&self, k: &Keyed<'_>, existing: Existing, ticket: Ticket) -> Handled {
         let expires = expires_header(existing.view.expires_at);
         let h = replay(existing.response.as_ref(), expires.as_ref());
-        if let Some(response) = existing.response {
-            let headers = if response.body.is_some() {
-                h.response.headers().clone()
-            } else {
-                replay_headers(&response, expires.as_ref())
-            };
+        // Only a cache that may hold it pays for the copy of the headers
+        // (a cache-off replay is a hot path too).
+        if let Some(response) = existing.response.filter(|_| self.cache.enabled()) {
+            // What this replay answered is what the next one answers.
+            let headers = h.response.headers().clone();
             let cached = Cached {
                 fingerprint: existing.view.fingerprint,
                 response: Arc::new(response),
@@ -305,40 +304,44 @@ fn mismatch(k: &Keyed<'_>) -> Handled {
 /// A replay: the stored status, headers and body bytes, marked replayed
 /// and, when known, with the record's `Idempotency-Key-Expires`.
 fn replay(stored: Option<&StoredResponse>, expires: Option<&HeaderValue>) -> Handled {
-    let Some(stored) = stored else {
-        let mut h = Handled::problem(
+    let mut h = match stored {
+        Some(
+            stored @ StoredResponse {
+                body: Some(body), ..
+            },
+        ) => {
+            // The headers carry the expiry already.
+            let mut resp = Response::new(full(body.clone()));
+            *resp.status_mut() = replay_status(stored.status);
+            *resp.headers_mut() = replay_headers(stored, expires);
+            return Handled::new(resp, Outcome::Replayed);
+        }
+        None => Handled::problem(
             Problem::new(
                 ProblemKind::StoreUnavailable,
                 "the stored response could not be read",
             )
             .retry_after(1),
             Outcome::StoreError,
-        );
-        if let Some(v) = expires {
-            h.response.headers_mut().insert(EXPIRES, v.clone());
+        ),
+        Some(stored) => {
+            let mut resp = Problem::new(
+                ProblemKind::ResponseNotStored,
+                format!(
+                    "the original request was executed (upstream status {}) but its response body exceeded max_stored_response and was not stored; it will not be executed again",
+                    stored.status
+                ),
+            )
+            .into_response();
+            resp.headers_mut()
+                .insert(REPLAYED, HeaderValue::from_static("true"));
+            Handled::new(resp, Outcome::Replayed)
         }
-        return h;
     };
-    let Some(body) = &stored.body else {
-        let mut resp = Problem::new(
-            ProblemKind::ResponseNotStored,
-            format!(
-                "the original request was executed (upstream status {}) but its response body exceeded max_stored_response and was not stored; it will not be executed again",
-                stored.status
-            ),
-        )
-        .into_response();
-        resp.headers_mut()
-            .insert(REPLAYED, HeaderValue::from_static("true"));
-        if let Some(v) = expires {
-            resp.headers_mut().insert(EXPIRES, v.clone());
-        }
-        return Handled::new(resp, Outcome::Replayed);
-    };
-    let mut resp = Response::new(full(body.clone()));
-    *resp.status_mut() = replay_status(stored.status);
-    *resp.headers_mut() = replay_headers(stored, expires);
-    Handled::new(resp, Outcome::Replayed)
+    if let Some(v) = expires {
+        h.response.headers_mut().insert(EXPIRES, v.clone());
+    }
+    h
 }
 
 /// The stored status (a stored value that is not one, impossible from
