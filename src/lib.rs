@@ -73,6 +73,7 @@ pub mod proxy;
 pub mod server;
 pub mod store;
 pub mod sweeper;
+pub mod timer;
 pub mod tls;
 pub mod version;
 pub mod waiters;

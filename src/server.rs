@@ -36,7 +36,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::rt::{Read, Write};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -46,6 +46,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, error, warn};
 
 use crate::proxy::{ClientInfo, Proxy, ProxyBody};
+use crate::timer::HyperTimer;
 use crate::workers::Workers;
 
 /// A handler for one request, given the peer.
@@ -220,11 +221,11 @@ async fn accept<H: Handler>(
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
-        .timer(TokioTimer::new())
+        .timer(HyperTimer)
         .header_read_timeout(options.header_read_timeout);
     builder
         .http2()
-        .timer(TokioTimer::new())
+        .timer(HyperTimer)
         .max_concurrent_streams(limits.h2_max_concurrent_streams);
     let mut refused = Refusals::default();
     let stop = CancellationToken::new();

@@ -93,6 +93,8 @@ impl Workers {
                 .name(format!("idemproxy-worker-{lane}"))
                 .spawn(move || {
                     LANE.with(|l| l.set(Some(lane)));
+                    // This thread runs this runtime until it ends.
+                    crate::timer::bind_thread();
                     runtime.block_on(async move {
                         // Released early (dropped without a drain): the
                         // work itself is cut short.

@@ -287,7 +287,7 @@ async fn read_body(
     }
     let (parts, body) = req.into_parts();
     let collect = Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX)).collect();
-    let Ok(collected) = tokio::time::timeout(timeout, collect).await else {
+    let Ok(collected) = crate::timer::timeout(timeout, collect).await else {
         return Err(Problem::new(
             ProblemKind::RequestTimeout,
             format!(

@@ -95,7 +95,7 @@ impl Proxy {
             read_limited(resp, max_stored).await
         });
         let bounded = async {
-            match tokio::time::timeout(timeout, exchange).await {
+            match crate::timer::timeout(timeout, exchange).await {
                 Ok(r) => r,
                 Err(_) => Err(UpstreamError::Timeout(timeout)),
             }

@@ -178,7 +178,7 @@ impl Upstream {
                 .map_or_else(|| Uri::from_static("/"), Uri::from);
             *req.uri_mut() = origin;
         }
-        match tokio::time::timeout(self.timeout, self.exchange(req)).await {
+        match crate::timer::timeout(self.timeout, self.exchange(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(result) => result,
         }

@@ -339,7 +339,8 @@ async fn bounded<T>(
     timeout: Duration,
     op: impl std::future::Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    match tokio::time::timeout(timeout, op).await {
+    // A timer per statement: one kept for reuse (crate::timer).
+    match crate::timer::timeout(timeout, op).await {
         Ok(r) => r,
         Err(_) => Err(StoreError::Timeout(timeout)),
     }
