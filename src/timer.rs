@@ -6,8 +6,8 @@
 //! is filed in the driver's wheel) and another when it is dropped (taken
 //! out), and whenever the new deadline is earlier than the one the driver
 //! last went to sleep for, a write to the driver's eventfd to wake it. On
-//! a busy worker that write came once every three requests (issue #15:
-//! BENCHMARKS.md, "Sixth pass"). A timer that is already filed and is moved
+//! a busy worker that write came about every other pass-through request
+//! (`bench/syscalls`; BENCHMARKS.md, "Sixth pass"). A timer that is already filed and is moved
 //! to a *later* deadline costs one compare-and-swap instead: the wheel
 //! notices when the old deadline comes, and files it again. Request
 //! deadlines only ever move later, so each thread keeps the timers its
