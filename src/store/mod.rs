@@ -335,15 +335,22 @@ fn connector(url: &str, config: &StoreConfig) -> Result<Arc<Connector>, StoreErr
     Ok(Arc::new(Connector::new(&pg, tls, config.timeout)))
 }
 
-async fn bounded<T>(
+/// `op`, answered with [`StoreError::Timeout`] once `timeout` has passed.
+///
+/// A combinator, not an `async fn`: an `async fn` keeps its argument and
+/// the future it makes of it in separate slots of its state, so `op` would
+/// take its room twice, and the batches' futures, moved into a box for
+/// every statement, were some 12 KiB.
+fn bounded<T>(
     timeout: Duration,
     op: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
+) -> impl std::future::Future<Output = Result<T, StoreError>> {
+    use futures_util::FutureExt as _;
     // A timer per statement: one kept for reuse (crate::timer).
-    match crate::timer::timeout(timeout, op).await {
+    crate::timer::timeout(timeout, op).map(move |r| match r {
         Ok(r) => r,
         Err(_) => Err(StoreError::Timeout(timeout)),
-    }
+    })
 }
 
 impl From<crate::pg_url::UrlError> for StoreError {
