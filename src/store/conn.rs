@@ -289,15 +289,26 @@ impl Conn {
             .expect("a Conn holds its object until dropped")
     }
 
-    /// Runs one statement future, counted as in flight until it finishes.
-    async fn tracked<T>(
-        &self,
-        op: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, StoreError> {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        let out = op.await;
-        self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        Ok(out?)
+    /// Runs one statement future, counted as in flight from its first poll
+    /// until it finishes.
+    ///
+    /// Combinators, not an `async fn`: an `async fn` keeps its argument and
+    /// the future it awaits in separate slots, so every statement's future
+    /// would take its room twice (and be copied as often).
+    fn tracked<'a, T: 'a>(
+        &'a self,
+        op: impl std::future::Future<Output = Result<T, tokio_postgres::Error>> + 'a,
+    ) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a {
+        use futures_util::FutureExt as _;
+        let in_flight = &self.in_flight;
+        futures_util::future::lazy(move |_| {
+            in_flight.fetch_add(1, Ordering::SeqCst);
+        })
+        .then(move |()| op)
+        .map(move |out| {
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            Ok(out?)
+        })
     }
 
     /// Closes the connection when it is dropped, whatever happened: for a
