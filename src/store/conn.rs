@@ -34,7 +34,7 @@ use deadpool::managed::{self, Metrics, Object, RecycleError, RecycleResult};
 use deadpool_postgres::ClientWrapper;
 use tokio_postgres::config::Host;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Config, Row};
+use tokio_postgres::{Client, Config, Row, Statement};
 use tracing::{debug, warn};
 
 use super::{describe_db_error, tls, StoreError};
@@ -222,31 +222,54 @@ fn single_host_configs(config: &Config, timeout: Duration) -> Vec<Config> {
         .collect()
 }
 
+/// A pooled connection: the client (with deadpool's wrapper, which ends
+/// the connection task when it is dropped) and the statements prepared on
+/// it.
+pub(crate) struct PgConn {
+    client: ClientWrapper,
+    /// Statements prepared on this connection, found by the address of
+    /// their [`Sql`]'s text and types (every `Sql` is a constant, so each
+    /// has one), a handful of entries compared by two words each. deadpool's
+    /// own cache, which prepares them, is keyed by the text: each lookup
+    /// there hashed the whole statement (up to some 1.5 KiB of SQL).
+    statements: Mutex<Vec<(StatementKey, Statement)>>,
+}
+
+/// What identifies a [`Sql`] in [`PgConn::statements`].
+type StatementKey = (usize, usize, usize);
+
+fn statement_key(sql: &Sql) -> StatementKey {
+    (
+        sql.text.as_ptr() as usize,
+        sql.text.len(),
+        sql.types.as_ptr() as usize,
+    )
+}
+
 /// The pool's manager: connections from a [`Connector`].
 pub(crate) struct Manager {
     pub(crate) connector: Arc<Connector>,
 }
 
 impl managed::Manager for Manager {
-    type Type = ClientWrapper;
+    type Type = PgConn;
     type Error = StoreError;
 
-    async fn create(&self) -> Result<ClientWrapper, StoreError> {
+    async fn create(&self) -> Result<PgConn, StoreError> {
         let (client, connection) = self.connector.connect().await?;
         let task = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 debug!(error = %describe_db_error(&e), "store connection ended");
             }
         });
-        Ok(ClientWrapper::new(client, task))
+        Ok(PgConn {
+            client: ClientWrapper::new(client, task),
+            statements: Mutex::new(Vec::new()),
+        })
     }
 
-    async fn recycle(
-        &self,
-        client: &mut ClientWrapper,
-        metrics: &Metrics,
-    ) -> RecycleResult<StoreError> {
-        if client.is_closed() {
+    async fn recycle(&self, conn: &mut PgConn, metrics: &Metrics) -> RecycleResult<StoreError> {
+        if conn.client.is_closed() {
             return Err(RecycleError::message("connection closed"));
         }
         // A primary that hangs instead of dying keeps its connections
@@ -282,11 +305,40 @@ impl Conn {
         }
     }
 
-    fn client(&self) -> &ClientWrapper {
+    fn pg(&self) -> &PgConn {
         // Present until drop.
         self.object
             .as_deref()
             .expect("a Conn holds its object until dropped")
+    }
+
+    fn client(&self) -> &ClientWrapper {
+        &self.pg().client
+    }
+
+    /// `sql`, prepared on this connection (once; then from its cache).
+    async fn statement(&self, sql: &Sql) -> Result<Statement, tokio_postgres::Error> {
+        let pg = self.pg();
+        let key = statement_key(sql);
+        let found = pg
+            .statements
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, stmt)| stmt.clone());
+        if let Some(stmt) = found {
+            return Ok(stmt);
+        }
+        let stmt = pg.client.prepare_typed_cached(sql.text, sql.types).await?;
+        let mut statements = pg
+            .statements
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !statements.iter().any(|(k, _)| *k == key) {
+            statements.push((key, stmt.clone()));
+        }
+        Ok(stmt)
     }
 
     /// Runs one statement future, counted as in flight from its first poll
@@ -327,7 +379,7 @@ impl Conn {
         let client = self.client();
         if self.prepared {
             self.tracked(async {
-                let stmt = client.prepare_typed_cached(sql.text, sql.types).await?;
+                let stmt = self.statement(sql).await?;
                 client.query(&stmt, params).await
             })
             .await
@@ -368,7 +420,7 @@ impl Conn {
         let client = self.client();
         if self.prepared {
             self.tracked(async {
-                let stmt = client.prepare_typed_cached(sql.text, sql.types).await?;
+                let stmt = self.statement(sql).await?;
                 client.execute(&stmt, params).await
             })
             .await
