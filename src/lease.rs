@@ -111,12 +111,15 @@ impl Renewer {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Keeps a claim alive until the returned guard is dropped.
+    /// Keeps a claim alive until the returned guard is dropped. `since`:
+    /// when its lease began (or was last renewed); the first renewal is due
+    /// a renewal period after that, not after this call.
     pub fn hold(
         self: &Arc<Self>,
         record: &RecordKey,
         owner: OwnerToken,
         lease: Duration,
+        since: Instant,
     ) -> Renewal {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let lost = Arc::new(AtomicBool::new(false));
@@ -130,7 +133,7 @@ impl Renewer {
                     lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
                 },
                 lease,
-                due: Instant::now() + renewal_period(lease),
+                due: since + renewal_period(lease),
                 lost: lost.clone(),
             },
         );

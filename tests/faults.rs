@@ -189,6 +189,145 @@ async fn paused_owner_is_fenced_out_its_client_gets_its_answer_and_the_takeover_
 }
 
 // ---------------------------------------------------------------------------
+// 2b. A claim answered after its lease ran out.
+//
+// The claim statement waits (on a row another transaction is inserting)
+// for longer than the lease, then commits: its lease (now() + lease, now()
+// the statement's start) has run out by the time the proxy hears of it, as
+// after a database stall or a proxy descheduled or paused while it waited.
+// Forwarding at once would race a retry's takeover into a second execution.
+
+/// Holds `key` behind an uncommitted insert of the same record, in an open
+/// transaction: a claim of `key` waits on it until it ends (ROLLBACK).
+async fn hold_key(db_url: &str, key: &str) -> tokio_postgres::Client {
+    let locker = support::db::connect(db_url).await;
+    locker.batch_execute("BEGIN").await.unwrap();
+    locker
+        .execute(
+            "INSERT INTO idempotency_records
+                 (tenant_id, idempotency_key, fingerprint, owner_token, attempt, state,
+                  lease_expires_at, created_at, expires_at)
+             VALUES ('', $1, sha256('held'::bytea), gen_random_uuid(), 1, 'in_flight',
+                     now() + interval '1 minute', now(), now() + interval '1 hour')",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    locker
+}
+
+/// Waits until a statement waits on a lock (the claim, behind `hold_key`).
+async fn claim_waits_on_the_lock(sql: &tokio_postgres::Client) {
+    support::eventually(
+        Duration::from_secs(5),
+        "a claim waiting on the lock",
+        || async {
+            let row = sql
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            row.get::<_, i64>(0) > 0
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_claim_answered_after_its_lease_ran_out_is_renewed_before_it_is_forwarded() {
+    let dir = TempDir::new("late-claim");
+    let db = TestDb::new().await;
+    let sql = db.client().await;
+    let up = UpstreamProc::start(&dir).await;
+    let config = ProxyConfig::new(&up.url(), &db.url)
+        .lease("600ms")
+        .store_timeout("5s");
+    let a = ProxyProc::start(&dir, "proxy-a", &config).await;
+    let b = ProxyProc::start(&dir, "proxy-b", &config).await;
+
+    let locker = hold_key(&db.url, "k-late").await;
+    let via_a = spawn_post(
+        &a,
+        "k-late",
+        &[("x-sample-delay-ms", "1500")],
+        Duration::from_secs(15),
+    );
+    claim_waits_on_the_lock(&sql).await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    // A's claim committed with a lease that had run out already; A renewed
+    // it before forwarding, so the retry right behind finds it held.
+    up.wait_executions("k-late", 1, Duration::from_secs(5))
+        .await;
+    let row = read_row(&sql, "", "k-late").await.unwrap();
+    assert_eq!(
+        (row.state.as_str(), row.lease_expired),
+        ("in_flight", Some(false))
+    );
+    b.post("k-late", PAY, &[])
+        .await
+        .assert_problem(409, "request-in-progress");
+
+    let a_answer = via_a.await.unwrap().expect("A's client gets an answer");
+    assert_eq!(a_answer.status, StatusCode::CREATED, "{}", a_answer.text());
+    assert_eq!(a_answer.header("x-request-echo-attempt"), Some("1"));
+    let replay = b.post("k-late", PAY, &[]).await;
+    assert!(replay.replayed(), "{}", replay.text());
+    assert_eq!(replay.body, a_answer.body);
+    assert_eq!(up.executions("k-late").await, 1);
+    assert_eq!(a.metric(TAKEOVERS).await + b.metric(TAKEOVERS).await, 0.0);
+    assert_eq!(a.metric(LOST_LEASE).await, 0.0, "{}", a.metrics().await);
+}
+
+#[tokio::test]
+async fn a_claim_whose_answer_outlived_its_lease_and_its_key_is_not_forwarded() {
+    let dir = TempDir::new("stale-claim");
+    let db = TestDb::new().await;
+    let sql = db.client().await;
+    let up = UpstreamProc::start(&dir).await;
+    let config = ProxyConfig::new(&up.url(), &db.url)
+        .lease("600ms")
+        .store_timeout("5s");
+    let a = ProxyProc::start(&dir, "proxy-a", &config).await;
+    let b = ProxyProc::start(&dir, "proxy-b", &config).await;
+
+    // A sends its claim, then is paused before it hears the answer: the
+    // claim commits behind A's back and its lease runs out.
+    let locker = hold_key(&db.url, "k-stale").await;
+    let via_a = spawn_post(&a, "k-stale", &[], Duration::from_secs(15));
+    claim_waits_on_the_lock(&sql).await;
+    a.proc.pause();
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    support::eventually(Duration::from_secs(5), "A's claim committed", || async {
+        read_row(&sql, "", "k-stale").await.is_some()
+    })
+    .await;
+    wait_lease_expired(&sql, "k-stale", Duration::from_secs(5)).await;
+    let via_b = b.post("k-stale", PAY, &[]).await;
+    assert_eq!(via_b.status, StatusCode::CREATED, "{}", via_b.text());
+    assert_eq!(via_b.header("x-request-echo-attempt"), Some("2"));
+
+    // A resumes to its claim's answer: its renewal finds the key taken
+    // over, and nothing is forwarded.
+    a.proc.resume();
+    let a_answer = via_a.await.unwrap().expect("A's client gets an answer");
+    a_answer.assert_problem(409, "request-in-progress");
+    assert!(a_answer.header("retry-after").is_some());
+    assert_eq!(up.executions("k-stale").await, 1, "B's execution only");
+    assert_eq!(a.metric(LOST_LEASE).await, 1.0, "{}", a.metrics().await);
+    assert!(a
+        .proc
+        .log_text()
+        .contains("lease ran out before it could be forwarded"));
+    let row = read_row(&sql, "", "k-stale").await.unwrap();
+    assert_eq!((row.state.as_str(), row.attempt), ("completed", 2));
+    assert_eq!(row.body.as_deref(), Some(&via_b.body[..]));
+}
+
+// ---------------------------------------------------------------------------
 // 3. Database restart under traffic (private cluster).
 
 /// What the traffic clients saw.

@@ -48,7 +48,9 @@ pub enum Outcome {
     Passthrough,
     /// The claim was released (connect failure or a `release_on` status).
     Released,
-    /// Our completion was refused by the fence.
+    /// Our lease was lost: the completion was refused by the fence (the
+    /// response still went to the client), or the claim's lease ran out
+    /// before it was forwarded (409, nothing forwarded).
     LostLease,
     /// The store failed.
     StoreError,
@@ -521,7 +523,8 @@ impl Metrics {
         self.store_up.set(i64::from(up));
     }
 
-    /// Counts a completion refused by the fence.
+    /// Counts a lease its owner found lost: a completion refused by the
+    /// fence, or a claim whose lease ran out before it was forwarded.
     pub fn lost_lease(&self) {
         self.lost_leases.inc();
     }

@@ -26,14 +26,15 @@ use tracing::{info, warn};
 use super::admit::Keyed;
 use super::forward::{response_from, stream_response, PrefixedBody};
 use super::headers;
+use super::keyed::conflict;
 use super::problem::{Forwarded, Problem};
 use super::upstream::{self, UpstreamError};
 use super::{full, set_expires, Handled, Proxy};
 use crate::backoff::Backoff;
 use crate::idempotency::{settle, RecordKey, Settlement, UpstreamOutcome};
-use crate::lease::Renewal;
+use crate::lease::{renewal_period, Renewal};
 use crate::metrics::{Metrics, Outcome};
-use crate::store::{Claim, Store, StoredResponse};
+use crate::store::{Claim, Store, StoreError, StoredResponse};
 
 /// What the upstream exchange of an owned claim produced.
 enum Exchanged {
@@ -47,9 +48,15 @@ enum Exchanged {
 }
 
 impl Proxy {
-    /// Forwards an owned claim once and settles it.
-    pub(super) async fn execute(&self, k: &Keyed<'_>, claim: Claim) -> Handled {
+    /// Forwards an owned claim once and settles it. `since`: when the
+    /// statement that took the claim was sent (its lease runs from no
+    /// earlier).
+    pub(super) async fn execute(&self, k: &Keyed<'_>, claim: Claim, since: Instant) -> Handled {
         let policy = &k.route.policy;
+        let since = match self.confirm_lease(k, claim, since).await {
+            Ok(since) => since,
+            Err(refused) => return refused,
+        };
         let in_flight = self.metrics.in_flight().clone();
         in_flight.inc();
         // The in-flight gauge must come down on every path, cancellation
@@ -104,7 +111,9 @@ impl Proxy {
         // The lease is renewed while the call is in flight and on until the
         // response is stored: an owner holding the answer must not lose its
         // key to a retry because the database was slow to take it.
-        let renewal = self.renewer.hold(&k.record, claim.owner, policy.lease);
+        let renewal = self
+            .renewer
+            .hold(&k.record, claim.owner, policy.lease, since);
         let result = bounded.await;
         let elapsed = started.elapsed();
         self.metrics.upstream(elapsed);
@@ -160,6 +169,58 @@ impl Proxy {
         };
         handled.attempt = Some(claim.attempt);
         handled
+    }
+
+    /// Makes sure the lease is still ours before anything is forwarded.
+    ///
+    /// A lease runs from when the database took the claim, which is no
+    /// earlier than `since`. An answer that came back late (the database
+    /// stalled, or this process was descheduled or paused while it waited)
+    /// may come back to a lease that has run out, and to a key a retry
+    /// elsewhere has already taken over: forwarding then would execute the
+    /// request twice. So an answer later than a renewal period is renewed
+    /// first, fenced by the owner token, and a claim found lost is given up
+    /// unforwarded (`409`: the key is another attempt's now). Returns when
+    /// the lease now runs from.
+    async fn confirm_lease(
+        &self,
+        k: &Keyed<'_>,
+        claim: Claim,
+        mut since: Instant,
+    ) -> Result<Instant, Handled> {
+        let lease = k.route.policy.lease;
+        // Each renewal is bounded by `store.timeout`; a process stalled
+        // again and again in between gives up rather than loop.
+        for _ in 0..3 {
+            if since.elapsed() < renewal_period(lease) {
+                return Ok(since);
+            }
+            let sent = Instant::now();
+            let renewed = self
+                .timed(k, "renew", self.store.renew(&k.record, claim.owner, lease))
+                .await;
+            match renewed {
+                Ok(true) => since = sent,
+                Ok(false) => {
+                    self.metrics.lost_lease();
+                    warn!(
+                        key = %k.record.key,
+                        attempt = claim.attempt,
+                        waited_ms = since.elapsed().as_millis() as u64,
+                        "the claim's lease ran out before it could be forwarded, and another attempt owns the key now: not forwarded"
+                    );
+                    let mut h = conflict(lease);
+                    h.outcome = Outcome::LostLease;
+                    return Err(h);
+                }
+                Err(e) => return Err(Box::pin(self.store_failed(k, e)).await),
+            }
+        }
+        if since.elapsed() < renewal_period(lease) {
+            return Ok(since);
+        }
+        let e = StoreError::Timeout(since.elapsed());
+        Err(Box::pin(self.store_failed(k, e)).await)
     }
 
     /// The exchange produced no response: settles the claim by what the

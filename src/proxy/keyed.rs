@@ -62,6 +62,8 @@ impl Proxy {
             let notified = notify.as_ref().map(|n| n.notified());
             let owner = OwnerToken::mint();
             let ticket = self.cache.ticket();
+            // A lease taken by this statement runs from no earlier than now.
+            let sent = Instant::now();
             let result = self
                 .timed(
                     k,
@@ -77,7 +79,9 @@ impl Proxy {
                 .await;
             let existing = match result {
                 Err(e) => return Box::pin(self.store_failed(k, e)).await,
-                Ok(ClaimResult::Claimed(claim)) => return Box::pin(self.execute(k, claim)).await,
+                Ok(ClaimResult::Claimed(claim)) => {
+                    return Box::pin(self.execute(k, claim, sent)).await
+                }
                 Ok(ClaimResult::Existing(x)) => x,
             };
             let replace = match decide(&existing.view, &k.fingerprint, existing.now) {
@@ -94,10 +98,11 @@ impl Proxy {
                 Decision::TakeOver { previous, .. } => Replace::TakeOver(previous),
                 Decision::Reclaim { previous } => Replace::Reclaim(previous),
             };
+            let sent = Instant::now();
             match self.replace(k, owner, replace).await {
                 Err(e) => return Box::pin(self.store_failed(k, e)).await,
                 Ok(None) => races += 1,
-                Ok(Some(claim)) => return Box::pin(self.execute(k, claim)).await,
+                Ok(Some(claim)) => return Box::pin(self.execute(k, claim, sent)).await,
             }
         }
         conflict(Duration::from_secs(1))
@@ -231,7 +236,7 @@ impl Proxy {
     }
 
     /// The store failed before anything was forwarded.
-    async fn store_failed(&self, k: &Keyed<'_>, e: StoreError) -> Handled {
+    pub(super) async fn store_failed(&self, k: &Keyed<'_>, e: StoreError) -> Handled {
         match self.config.store.on_store_error {
             OnStoreError::Reject => {
                 warn!(key = %k.record.key, error = %e, "store unavailable: refusing the keyed request (fail closed)");
@@ -275,7 +280,7 @@ impl Proxy {
 
 /// A 409 for a duplicate of a request in flight, retryable when its lease
 /// runs out.
-fn conflict(lease_remaining: Duration) -> Handled {
+pub(super) fn conflict(lease_remaining: Duration) -> Handled {
     let secs = retry_after_secs(lease_remaining);
     Handled::problem(
         Problem::new(
