@@ -236,9 +236,22 @@ async fn claim_waits_on_the_lock(sql: &tokio_postgres::Client) {
     .await;
 }
 
-#[tokio::test]
-async fn a_claim_answered_after_its_lease_ran_out_is_renewed_before_it_is_forwarded() {
-    let dir = TempDir::new("late-claim");
+/// Two proxies (lease 600 ms, store timeout 5 s) on one database, and a
+/// POST of `key` sent through A whose claim waits behind `hold_key`.
+/// (Fields drop in order: the processes before their database and files.)
+struct LateClaim {
+    via_a: tokio::task::JoinHandle<Result<support::http::Resp, String>>,
+    a: ProxyProc,
+    b: ProxyProc,
+    up: UpstreamProc,
+    locker: tokio_postgres::Client,
+    sql: tokio_postgres::Client,
+    _db: TestDb,
+    _dir: TempDir,
+}
+
+async fn late_claim(name: &str, key: &str, headers: &[(&str, &str)]) -> LateClaim {
+    let dir = TempDir::new(name);
     let db = TestDb::new().await;
     let sql = db.client().await;
     let up = UpstreamProc::start(&dir).await;
@@ -247,82 +260,83 @@ async fn a_claim_answered_after_its_lease_ran_out_is_renewed_before_it_is_forwar
         .store_timeout("5s");
     let a = ProxyProc::start(&dir, "proxy-a", &config).await;
     let b = ProxyProc::start(&dir, "proxy-b", &config).await;
-
-    let locker = hold_key(&db.url, "k-late").await;
-    let via_a = spawn_post(
-        &a,
-        "k-late",
-        &[("x-sample-delay-ms", "1500")],
-        Duration::from_secs(15),
-    );
+    let locker = hold_key(&db.url, key).await;
+    let via_a = spawn_post(&a, key, headers, Duration::from_secs(15));
     claim_waits_on_the_lock(&sql).await;
+    LateClaim {
+        _dir: dir,
+        _db: db,
+        sql,
+        up,
+        a,
+        b,
+        via_a,
+        locker,
+    }
+}
+
+#[tokio::test]
+async fn a_claim_answered_after_its_lease_ran_out_is_renewed_before_it_is_forwarded() {
+    let t = late_claim("late-claim", "k-late", &[("x-sample-delay-ms", "1500")]).await;
     tokio::time::sleep(Duration::from_millis(900)).await;
-    locker.batch_execute("ROLLBACK").await.unwrap();
+    t.locker.batch_execute("ROLLBACK").await.unwrap();
     // A's claim committed with a lease that had run out already; A renewed
     // it before forwarding, so the retry right behind finds it held.
-    up.wait_executions("k-late", 1, Duration::from_secs(5))
+    t.up.wait_executions("k-late", 1, Duration::from_secs(5))
         .await;
-    let row = read_row(&sql, "", "k-late").await.unwrap();
+    let row = read_row(&t.sql, "", "k-late").await.unwrap();
     assert_eq!(
         (row.state.as_str(), row.lease_expired),
         ("in_flight", Some(false))
     );
-    b.post("k-late", PAY, &[])
+    t.b.post("k-late", PAY, &[])
         .await
         .assert_problem(409, "request-in-progress");
 
-    let a_answer = via_a.await.unwrap().expect("A's client gets an answer");
+    let a_answer = t.via_a.await.unwrap().expect("A's client gets an answer");
     assert_eq!(a_answer.status, StatusCode::CREATED, "{}", a_answer.text());
     assert_eq!(a_answer.header("x-request-echo-attempt"), Some("1"));
-    let replay = b.post("k-late", PAY, &[]).await;
+    let replay = t.b.post("k-late", PAY, &[]).await;
     assert!(replay.replayed(), "{}", replay.text());
     assert_eq!(replay.body, a_answer.body);
-    assert_eq!(up.executions("k-late").await, 1);
-    assert_eq!(a.metric(TAKEOVERS).await + b.metric(TAKEOVERS).await, 0.0);
-    assert_eq!(a.metric(LOST_LEASE).await, 0.0, "{}", a.metrics().await);
+    assert_eq!(t.up.executions("k-late").await, 1);
+    assert_eq!(
+        t.a.metric(TAKEOVERS).await + t.b.metric(TAKEOVERS).await,
+        0.0
+    );
+    assert_eq!(t.a.metric(LOST_LEASE).await, 0.0, "{}", t.a.metrics().await);
 }
 
 #[tokio::test]
 async fn a_claim_whose_answer_outlived_its_lease_and_its_key_is_not_forwarded() {
-    let dir = TempDir::new("stale-claim");
-    let db = TestDb::new().await;
-    let sql = db.client().await;
-    let up = UpstreamProc::start(&dir).await;
-    let config = ProxyConfig::new(&up.url(), &db.url)
-        .lease("600ms")
-        .store_timeout("5s");
-    let a = ProxyProc::start(&dir, "proxy-a", &config).await;
-    let b = ProxyProc::start(&dir, "proxy-b", &config).await;
-
     // A sends its claim, then is paused before it hears the answer: the
     // claim commits behind A's back and its lease runs out.
-    let locker = hold_key(&db.url, "k-stale").await;
-    let via_a = spawn_post(&a, "k-stale", &[], Duration::from_secs(15));
-    claim_waits_on_the_lock(&sql).await;
-    a.proc.pause();
-    locker.batch_execute("ROLLBACK").await.unwrap();
+    let t = late_claim("stale-claim", "k-stale", &[]).await;
+    t.a.proc.pause();
+    t.locker.batch_execute("ROLLBACK").await.unwrap();
     support::eventually(Duration::from_secs(5), "A's claim committed", || async {
-        read_row(&sql, "", "k-stale").await.is_some()
+        read_row(&t.sql, "", "k-stale").await.is_some()
     })
     .await;
-    wait_lease_expired(&sql, "k-stale", Duration::from_secs(5)).await;
-    let via_b = b.post("k-stale", PAY, &[]).await;
+    wait_lease_expired(&t.sql, "k-stale", Duration::from_secs(5)).await;
+    let via_b = t.b.post("k-stale", PAY, &[]).await;
     assert_eq!(via_b.status, StatusCode::CREATED, "{}", via_b.text());
     assert_eq!(via_b.header("x-request-echo-attempt"), Some("2"));
 
     // A resumes to its claim's answer: its renewal finds the key taken
     // over, and nothing is forwarded.
-    a.proc.resume();
-    let a_answer = via_a.await.unwrap().expect("A's client gets an answer");
+    t.a.proc.resume();
+    let a_answer = t.via_a.await.unwrap().expect("A's client gets an answer");
     a_answer.assert_problem(409, "request-in-progress");
     assert!(a_answer.header("retry-after").is_some());
-    assert_eq!(up.executions("k-stale").await, 1, "B's execution only");
-    assert_eq!(a.metric(LOST_LEASE).await, 1.0, "{}", a.metrics().await);
-    assert!(a
+    assert_eq!(t.up.executions("k-stale").await, 1, "B's execution only");
+    assert_eq!(t.a.metric(LOST_LEASE).await, 1.0, "{}", t.a.metrics().await);
+    assert!(t
+        .a
         .proc
         .log_text()
         .contains("lease ran out before it could be forwarded"));
-    let row = read_row(&sql, "", "k-stale").await.unwrap();
+    let row = read_row(&t.sql, "", "k-stale").await.unwrap();
     assert_eq!((row.state.as_str(), row.attempt), ("completed", 2));
     assert_eq!(row.body.as_deref(), Some(&via_b.body[..]));
 }
