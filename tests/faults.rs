@@ -13,8 +13,10 @@ mod support;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
+use support::db::DbLocale;
 use support::db::TestDb;
 use support::eventually;
+use support::pgbouncer::{PgBouncer, PgBouncerOptions};
 use support::pgcluster::{self, PgCluster};
 use support::process::{connection_refused, TempDir};
 use support::proxy_proc::{ProxyConfig, ProxyProc};
@@ -246,18 +248,46 @@ struct LateClaim {
     up: UpstreamProc,
     locker: tokio_postgres::Client,
     sql: tokio_postgres::Client,
+    _bouncer: Option<PgBouncer>,
     _db: TestDb,
     _dir: TempDir,
 }
 
-async fn late_claim(name: &str, key: &str, headers: &[(&str, &str)]) -> LateClaim {
+/// Where the proxies of a [`LateClaim`] keep their records.
+#[derive(Clone, Copy, PartialEq)]
+enum LateStore {
+    /// The test server, directly.
+    Direct,
+    /// An ICU en-US database behind PgBouncer in transaction mode
+    /// (DESIGN §8.1, §8.5).
+    PooledEnUs,
+}
+
+async fn late_claim(
+    name: &str,
+    key: &str,
+    headers: &[(&str, &str)],
+    store: LateStore,
+) -> LateClaim {
     let dir = TempDir::new(name);
-    let db = TestDb::new().await;
+    let db = match store {
+        LateStore::Direct => TestDb::new().await,
+        LateStore::PooledEnUs => TestDb::with_locale(DbLocale::IcuEnUs).await,
+    };
     let sql = db.client().await;
     let up = UpstreamProc::start(&dir).await;
-    let config = ProxyConfig::new(&up.url(), &db.url)
-        .lease("600ms")
-        .store_timeout("5s");
+    let bouncer = match store {
+        LateStore::Direct => None,
+        LateStore::PooledEnUs => {
+            Some(PgBouncer::start(name, &db.url, PgBouncerOptions::default()).await)
+        }
+    };
+    let config = match &bouncer {
+        None => ProxyConfig::new(&up.url(), &db.url),
+        Some(b) => ProxyConfig::new(&up.url(), &b.url(&db.name)).pooled(&db.url),
+    }
+    .lease("600ms")
+    .store_timeout("5s");
     let a = ProxyProc::start(&dir, "proxy-a", &config).await;
     let b = ProxyProc::start(&dir, "proxy-b", &config).await;
     let locker = hold_key(&db.url, key).await;
@@ -266,6 +296,7 @@ async fn late_claim(name: &str, key: &str, headers: &[(&str, &str)]) -> LateClai
     LateClaim {
         _dir: dir,
         _db: db,
+        _bouncer: bouncer,
         sql,
         up,
         a,
@@ -277,7 +308,13 @@ async fn late_claim(name: &str, key: &str, headers: &[(&str, &str)]) -> LateClai
 
 #[tokio::test]
 async fn a_claim_answered_after_its_lease_ran_out_is_renewed_before_it_is_forwarded() {
-    let t = late_claim("late-claim", "k-late", &[("x-sample-delay-ms", "1500")]).await;
+    let t = late_claim(
+        "late-claim",
+        "k-late",
+        &[("x-sample-delay-ms", "1500")],
+        LateStore::Direct,
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(900)).await;
     t.locker.batch_execute("ROLLBACK").await.unwrap();
     // A's claim committed with a lease that had run out already; A renewed
@@ -309,9 +346,18 @@ async fn a_claim_answered_after_its_lease_ran_out_is_renewed_before_it_is_forwar
 
 #[tokio::test]
 async fn a_claim_whose_answer_outlived_its_lease_and_its_key_is_not_forwarded() {
+    stale_claim_is_not_forwarded("stale-claim", LateStore::Direct).await;
+}
+
+#[tokio::test]
+async fn a_stale_claim_is_not_forwarded_behind_pgbouncer_on_an_en_us_database() {
+    stale_claim_is_not_forwarded("stale-claim-pooled", LateStore::PooledEnUs).await;
+}
+
+async fn stale_claim_is_not_forwarded(name: &str, store: LateStore) {
     // A sends its claim, then is paused before it hears the answer: the
     // claim commits behind A's back and its lease runs out.
-    let t = late_claim("stale-claim", "k-stale", &[]).await;
+    let t = late_claim(name, "k-stale", &[], store).await;
     t.a.proc.pause();
     t.locker.batch_execute("ROLLBACK").await.unwrap();
     support::eventually(Duration::from_secs(5), "A's claim committed", || async {
