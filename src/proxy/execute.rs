@@ -195,12 +195,16 @@ impl Proxy {
         mut since: Instant,
     ) -> Result<Instant, Handled> {
         let lease = k.route.policy.lease;
-        // Each renewal is bounded by `store.timeout`; a process stalled
-        // again and again in between gives up rather than loop.
-        for _ in 0..3 {
-            if since.elapsed() < renewal_period(lease) {
-                return Ok(since);
+        let period = renewal_period(lease);
+        let mut renewals = 0;
+        while since.elapsed() >= period {
+            // Each renewal is bounded by `store.timeout`; a process stalled
+            // again and again in between gives up rather than loop.
+            if renewals == 3 {
+                let e = StoreError::Timeout(since.elapsed());
+                return Err(Box::pin(self.store_failed(k, e)).await);
             }
+            renewals += 1;
             let sent = Instant::now();
             let renewed = self
                 .timed(k, "renew", self.store.renew(&k.record, claim.owner, lease))
@@ -222,11 +226,7 @@ impl Proxy {
                 Err(e) => return Err(Box::pin(self.store_failed(k, e)).await),
             }
         }
-        if since.elapsed() < renewal_period(lease) {
-            return Ok(since);
-        }
-        let e = StoreError::Timeout(since.elapsed());
-        Err(Box::pin(self.store_failed(k, e)).await)
+        Ok(since)
     }
 
     /// The exchange produced no response: settles the claim by what the

@@ -229,9 +229,9 @@ pub(crate) struct PgConn {
     client: ClientWrapper,
     /// Statements prepared on this connection, found by the address of
     /// their [`Sql`]'s text and types (every `Sql` is a constant, so each
-    /// has one), a handful of entries compared by two words each. deadpool's
-    /// own cache, which prepares them, is keyed by the text: each lookup
-    /// there hashed the whole statement (up to some 1.5 KiB of SQL).
+    /// has one), a handful of entries compared by a few words each. In
+    /// place of deadpool's statement cache, which is keyed by the text: each
+    /// lookup there hashed the whole statement (up to some 1.5 KiB of SQL).
     statements: Mutex<Vec<(StatementKey, Statement)>>,
 }
 
@@ -316,7 +316,7 @@ impl Conn {
         &self.pg().client
     }
 
-    /// `sql`, prepared on this connection (once; then from its cache).
+    /// `sql`, prepared on this connection (once; then from its list).
     async fn statement(&self, sql: &Sql) -> Result<Statement, tokio_postgres::Error> {
         let pg = self.pg();
         let key = statement_key(sql);
@@ -330,7 +330,7 @@ impl Conn {
         if let Some(stmt) = found {
             return Ok(stmt);
         }
-        let stmt = pg.client.prepare_typed_cached(sql.text, sql.types).await?;
+        let stmt = pg.client.prepare_typed(sql.text, sql.types).await?;
         let mut statements = pg
             .statements
             .lock()
