@@ -12,14 +12,25 @@
 //! user's `EnvFilter`: an appended directive replaces one for the same
 //! target only; the most specific directive wins, so
 //! `RUST_LOG=tokio_postgres::query=debug` would still print parameters.
-//! [`dependency_ceiling`] is a separate [`Targets`] layer that every event
+//! [`dependency_ceiling`] is a separate [`Targets`] filter that every event
 //! must also pass, and a `Targets` entry covers every module under its
 //! target.
+//!
+//! The two are one filter ([`FilterExt::and`]) on the output layer rather
+//! than two layers: layered filters report the more verbose of their level
+//! hints, and the ceiling's default is `trace`, so the subscriber's hint
+//! was `trace` whatever `RUST_LOG` said. That hint becomes the `log`
+//! crate's maximum level, and with it every `log::debug!`/`trace!` of
+//! tokio-postgres (one per statement, more per message) was built into a
+//! record and sent through the subscriber only to be dropped: about 4,000
+//! instructions of a new key's (BENCHMARKS.md, "Eighth pass"). An `and`
+//! reports the quieter hint, so those calls stop at one comparison.
 
-use tracing_subscriber::filter::{LevelFilter, Targets};
-use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets};
+use tracing_subscriber::layer::{Filter, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::{EnvFilter, Layer};
 
 /// How lines are written (the command's `--log-format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,25 +65,40 @@ pub fn dependency_ceiling() -> Targets {
     )
 }
 
+/// What is written: `user` (the `RUST_LOG` filter) and, under it,
+/// [`dependency_ceiling`]. Its level hint is the quieter of the two.
+pub fn event_filter<S>(user: EnvFilter) -> impl Filter<S>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+{
+    user.and(dependency_ceiling())
+}
+
 /// Installs the tracing subscriber: `RUST_LOG`-style filter (default
 /// `info`) under [`dependency_ceiling`], text or JSON, to standard error.
-/// `log` records (tokio-postgres, rustls) are converted and filtered alike.
+/// `log` records (tokio-postgres, rustls) are converted and filtered alike,
+/// and the `log` crate's maximum level is the filter's, so a record no
+/// filter would pass is not built at all.
 pub fn init(format: Format) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let registry = tracing_subscriber::registry()
-        .with(filter)
-        .with(dependency_ceiling());
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry();
     match format {
-        Format::Text => registry.with(fmt).init(),
-        Format::Json => registry.with(fmt.json().flatten_event(true)).init(),
+        Format::Text => registry.with(fmt.with_filter(event_filter(filter))).init(),
+        Format::Json => registry
+            .with(
+                fmt.json()
+                    .flatten_event(true)
+                    .with_filter(event_filter(filter)),
+            )
+            .init(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tracing::Level;
+    use tracing::{Level, Subscriber};
 
     #[test]
     fn dependencies_that_print_parameters_are_capped_at_info_in_every_module() {
@@ -92,5 +118,53 @@ mod tests {
     fn our_own_modules_keep_every_level() {
         let ceiling = dependency_ceiling();
         assert!(ceiling.would_enable("idemproxy::proxy::execute", &Level::TRACE));
+    }
+
+    /// The subscriber `init` installs, with `RUST_LOG` = `user`, writing
+    /// nowhere.
+    fn subscriber(user: &str) -> impl tracing::Subscriber + Send + Sync {
+        let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::sink);
+        tracing_subscriber::registry().with(fmt.with_filter(event_filter(EnvFilter::new(user))))
+    }
+
+    #[test]
+    fn the_level_hint_is_the_users_not_the_ceilings_default() {
+        // The hint becomes the `log` crate's maximum level: `trace` here
+        // would send every tokio-postgres debug record through the
+        // subscriber.
+        for (user, hint) in [
+            ("warn", LevelFilter::WARN),
+            ("info", LevelFilter::INFO),
+            ("idemproxy=debug,warn", LevelFilter::DEBUG),
+        ] {
+            assert_eq!(subscriber(user).max_level_hint(), Some(hint), "{user}");
+        }
+    }
+
+    #[test]
+    fn the_installed_filter_still_caps_dependencies_and_passes_our_own() {
+        let enabled = |user: &str, target: &str, debug: bool| {
+            tracing::subscriber::with_default(subscriber(user), || {
+                if debug {
+                    match target {
+                        "tokio_postgres::query" => {
+                            tracing::enabled!(target: "tokio_postgres::query", Level::DEBUG)
+                        }
+                        _ => tracing::enabled!(target: "idemproxy::proxy", Level::DEBUG),
+                    }
+                } else {
+                    tracing::enabled!(target: "tokio_postgres::query", Level::INFO)
+                }
+            })
+        };
+        assert!(!enabled("trace", "tokio_postgres::query", true));
+        assert!(!enabled(
+            "tokio_postgres::query=trace",
+            "tokio_postgres::query",
+            true
+        ));
+        assert!(enabled("trace", "tokio_postgres::query", false));
+        assert!(enabled("debug", "idemproxy::proxy", true));
+        assert!(!enabled("info", "idemproxy::proxy", true));
     }
 }
