@@ -143,28 +143,16 @@ mod tests {
 
     #[test]
     fn the_installed_filter_still_caps_dependencies_and_passes_our_own() {
-        let enabled = |user: &str, target: &str, debug: bool| {
-            tracing::subscriber::with_default(subscriber(user), || {
-                if debug {
-                    match target {
-                        "tokio_postgres::query" => {
-                            tracing::enabled!(target: "tokio_postgres::query", Level::DEBUG)
-                        }
-                        _ => tracing::enabled!(target: "idemproxy::proxy", Level::DEBUG),
-                    }
-                } else {
-                    tracing::enabled!(target: "tokio_postgres::query", Level::INFO)
-                }
-            })
+        let under = |user: &str, check: fn() -> bool| {
+            tracing::subscriber::with_default(subscriber(user), check)
         };
-        assert!(!enabled("trace", "tokio_postgres::query", true));
-        assert!(!enabled(
-            "tokio_postgres::query=trace",
-            "tokio_postgres::query",
-            true
-        ));
-        assert!(enabled("trace", "tokio_postgres::query", false));
-        assert!(enabled("debug", "idemproxy::proxy", true));
-        assert!(!enabled("info", "idemproxy::proxy", true));
+        let pg_debug = || tracing::enabled!(target: "tokio_postgres::query", Level::DEBUG);
+        let pg_info = || tracing::enabled!(target: "tokio_postgres::query", Level::INFO);
+        let own_debug = || tracing::enabled!(target: "idemproxy::proxy", Level::DEBUG);
+        assert!(!under("trace", pg_debug));
+        assert!(!under("tokio_postgres::query=trace", pg_debug));
+        assert!(under("trace", pg_info));
+        assert!(under("debug", own_debug));
+        assert!(!under("info", own_debug));
     }
 }
