@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::idempotency::fingerprint::Inputs;
 use crate::idempotency::{Fingerprint, RecordKey};
 use crate::metrics::CacheSample;
 use crate::store::StoredResponse;
@@ -45,12 +46,16 @@ pub struct Cached {
     /// the proxy's own (`Idempotency-Replayed`, `Idempotency-Key-Expires`).
     /// A replay clones the map instead of parsing every name again.
     pub headers: http::HeaderMap,
+    /// The inputs of the request that filled the entry (whose fingerprint
+    /// is `fingerprint`), when its body was small enough to keep: a retry
+    /// with the same bytes is known to match without being fingerprinted.
+    pub seen: Option<Inputs>,
 }
 
 struct Entry {
     tenant: String,
     key: String,
-    cached: Cached,
+    cached: Arc<Cached>,
     /// Local deadline: the TTL, or earlier if the record expires first.
     until: Instant,
     size: usize,
@@ -98,14 +103,16 @@ pub struct ResponseCache {
 /// plus per allocation (each header name and value, tenant, key, the key id
 /// twice, the response, the map and queue slots) a measured allowance. A
 /// header counts its name twice (stored, and in the replay's prebuilt map,
-/// whose values share the stored bytes) and the map's slot.
-fn size_of(tenant: &str, key: &str, r: &StoredResponse) -> usize {
+/// whose values share the stored bytes) and the map's slot. The request's
+/// inputs, when kept, count their bytes and their six allocations.
+fn size_of(tenant: &str, key: &str, r: &StoredResponse, seen: Option<&Inputs>) -> usize {
     let headers: usize = r
         .headers
         .iter()
         .map(|(n, v)| 2 * n.len() + v.len() + 96 + 64)
         .sum();
-    tenant.len() + key.len() + headers + r.body.as_ref().map_or(0, |b| b.len()) + 512
+    let seen = seen.map_or(0, |s| s.held_bytes() + 6 * 32 + 64);
+    tenant.len() + key.len() + headers + r.body.as_ref().map_or(0, |b| b.len()) + seen + 512
 }
 
 impl ResponseCache {
@@ -149,7 +156,7 @@ impl ResponseCache {
     }
 
     /// The completion of `(tenant, key)`, if cached and still fresh.
-    pub fn get(&self, record: &RecordKey) -> Option<Cached> {
+    pub fn get(&self, record: &RecordKey) -> Option<Arc<Cached>> {
         if self.max_bytes == 0 {
             return None;
         }
@@ -165,7 +172,7 @@ impl ResponseCache {
         found
     }
 
-    fn lookup(&self, id: &str, tenant: &str, key: &str) -> Option<Cached> {
+    fn lookup(&self, id: &str, tenant: &str, key: &str) -> Option<Arc<Cached>> {
         let mut inner = self.lock();
         let entry = inner.map.get(id)?;
         // The id is a digest: the entry must be this very tenant and key.
@@ -173,7 +180,7 @@ impl ResponseCache {
             return None;
         }
         if Instant::now() < entry.until {
-            return Some(entry.cached.clone());
+            return Some(Arc::clone(&entry.cached));
         }
         if let Some(e) = inner.map.remove(id) {
             inner.bytes -= e.size;
@@ -187,7 +194,12 @@ impl ResponseCache {
     /// clock.
     pub fn put(&self, record: &RecordKey, cached: Cached, now: SystemTime, ticket: Ticket) {
         let (tenant, key) = (&record.tenant, &record.key);
-        let size = size_of(tenant.as_str(), key.as_str(), &cached.response);
+        let size = size_of(
+            tenant.as_str(),
+            key.as_str(),
+            &cached.response,
+            cached.seen.as_ref(),
+        );
         if self.max_bytes == 0 || size > self.max_bytes / 4 {
             // One entry may not crowd out the rest.
             return;
@@ -214,7 +226,7 @@ impl ResponseCache {
             Entry {
                 tenant: tenant.as_str().to_owned(),
                 key: key.as_str().to_owned(),
-                cached,
+                cached: Arc::new(cached),
                 until,
                 size,
                 generation,
@@ -344,6 +356,7 @@ mod tests {
             }),
             expires_at: now + expires_in,
             headers: http::HeaderMap::new(),
+            seen: None,
         }
     }
 
@@ -420,6 +433,40 @@ mod tests {
             c.ticket(),
         );
         assert!(c.get(&rk(&t, "big")).is_none());
+    }
+
+    #[test]
+    fn a_requests_kept_inputs_count_against_the_budget() {
+        let c = ResponseCache::new(1 << 20, Duration::from_secs(60), WINDOW);
+        let now = SystemTime::now();
+        let t = TenantId::none();
+        c.put(
+            &rk(&t, "bare"),
+            cached(10, Duration::from_secs(60), now),
+            now,
+            c.ticket(),
+        );
+        let bare = c.bytes();
+        let body = vec![b'{'; 4000];
+        let seen = Inputs::new(
+            crate::idempotency::FingerprintMode::Json,
+            "POST",
+            "/v1/p",
+            None,
+            Some(b"application/json"),
+            &body,
+        );
+        let mut with = cached(10, Duration::from_secs(60), now);
+        with.seen = Some(seen);
+        c.put(&rk(&t, "with"), with, now, c.ticket());
+        assert!(
+            c.bytes() - bare >= bare + 4000,
+            "{} then {}",
+            bare,
+            c.bytes()
+        );
+        let hit = c.get(&rk(&t, "with")).unwrap();
+        assert_eq!(hit.seen.as_ref().unwrap().held_bytes(), 4000 + 4 + 5 + 16);
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use support::harness::{Harness, Setup};
+use support::http::Req;
 
 const PAY: &str = r#"{"amount": 100}"#;
 
@@ -54,6 +55,56 @@ async fn warm_replays_are_served_without_a_database_round_trip() {
     h.post("/v1/payments", "k-cached", r#"{"amount": 1}"#)
         .await
         .assert_problem(422, "key-reused");
+}
+
+#[tokio::test]
+async fn a_warm_entry_knows_its_requests_bytes_and_nothing_else() {
+    // A replay from the cache takes the fingerprint of a retry whose bytes
+    // are those of the request that filled the entry; anything else is
+    // fingerprinted and compared as before.
+    let h = Harness::start(Setup::default()).await;
+    let key = "k-bytes";
+    let first = h.post("/v1/payments", key, PAY).await;
+    assert_eq!(first.status, 201);
+    assert!(h.post("/v1/payments", key, PAY).await.replayed(), "warms");
+    let before = claim_statements(&h);
+    // The same bytes, and the same JSON in other bytes: both replays,
+    // from memory.
+    for body in [PAY, r#"{ "amount" : 100 }"#] {
+        let r = h.post("/v1/payments", key, body).await;
+        assert!(r.replayed(), "{body}");
+        assert_eq!(r.body, first.body);
+    }
+    assert_eq!(claim_statements(&h), before, "answered from the cache");
+    // One input different at a time, the rest the warm request's bytes:
+    // each is another request (422), never the cached replay.
+    let same_length = r#"{"amount": 101}"#;
+    assert_eq!(same_length.len(), PAY.len());
+    let variants = [
+        ("body", Req::post("/v1/payments").key(key).json(same_length)),
+        (
+            "query",
+            Req::post("/v1/payments?currency=eur").key(key).json(PAY),
+        ),
+        (
+            "content type (hashed as bytes, not as JSON)",
+            Req::post("/v1/payments")
+                .key(key)
+                .header("Content-Type", "text/plain")
+                .body(PAY),
+        ),
+        ("method", {
+            let mut r = Req::post("/v1/payments").key(key).json(PAY);
+            r.method = http::Method::PATCH;
+            r
+        }),
+    ];
+    for (what, req) in variants {
+        h.send(req).await.assert_problem(422, "key-reused");
+        // And the entry still answers its own bytes.
+        assert!(h.post("/v1/payments", key, PAY).await.replayed(), "{what}");
+    }
+    assert_eq!(h.upstream.executions(key), 1);
 }
 
 #[tokio::test]

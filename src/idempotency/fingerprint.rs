@@ -83,6 +83,83 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
+/// Everything [`Fingerprint::compute`] reads, kept (copied) to recognise
+/// the same request again: inputs equal byte for byte have the same
+/// fingerprint, so a request that [`matches`](Self::matches) a request whose
+/// fingerprint is known has that fingerprint without canonicalising and
+/// hashing its body again. A request with other bytes (keys reordered,
+/// whitespace) is not recognised and is fingerprinted as usual.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Inputs {
+    mode: FingerprintMode,
+    method: Box<str>,
+    path: Box<str>,
+    query: Option<Box<str>>,
+    content_type: Option<Box<[u8]>>,
+    body: Box<[u8]>,
+}
+
+impl Inputs {
+    /// Copies a request's inputs (nothing is shared with its buffers).
+    pub fn new(
+        mode: FingerprintMode,
+        method: &str,
+        path: &str,
+        query: Option<&str>,
+        content_type: Option<&[u8]>,
+        body: &[u8],
+    ) -> Self {
+        Inputs {
+            mode,
+            method: method.into(),
+            path: path.into(),
+            query: query.map(Into::into),
+            content_type: content_type.map(Into::into),
+            body: body.into(),
+        }
+    }
+
+    /// Whether a request's inputs are these, byte for byte. The content
+    /// type is compared even where the mode ignores it: a stricter test
+    /// can only send a request down the usual path.
+    pub fn matches(
+        &self,
+        mode: FingerprintMode,
+        method: &str,
+        path: &str,
+        query: Option<&str>,
+        content_type: Option<&[u8]>,
+        body: &[u8],
+    ) -> bool {
+        self.mode == mode
+            && *self.body == *body
+            && *self.path == *path
+            && self.query.as_deref() == query
+            && *self.method == *method
+            && self.content_type.as_deref() == content_type
+    }
+
+    /// The bytes held, for a cache's budget.
+    pub fn held_bytes(&self) -> usize {
+        self.method.len()
+            + self.path.len()
+            + self.query.as_ref().map_or(0, |q| q.len())
+            + self.content_type.as_ref().map_or(0, |c| c.len())
+            + self.body.len()
+    }
+}
+
+impl fmt::Debug for Inputs {
+    /// The body's length only: a body may hold what logs must not.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Inputs")
+            .field("mode", &self.mode)
+            .field("method", &self.method)
+            .field("body_len", &self.body.len())
+            .finish_non_exhaustive()
+    }
+}
+
 fn frame(h: &mut Sha256, bytes: &[u8]) {
     h.update((bytes.len() as u64).to_be_bytes());
     h.update(bytes);

@@ -14,6 +14,7 @@
 //! fingerprint and what the upstream gets cannot differ.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,8 +25,9 @@ use hyper::body::Incoming;
 
 use super::problem::{Problem, ProblemKind};
 use super::{ClientInfo, Handled, Proxy};
+use crate::cache::Cached;
 use crate::config::{DerivedKey, KeyRequirement, Policy, Route};
-use crate::idempotency::fingerprint::is_json_content_type;
+use crate::idempotency::fingerprint::{is_json_content_type, Inputs};
 use crate::idempotency::{
     Fingerprint, FingerprintMode, IdempotencyKey, KeyError, RecordKey, TenantError, TenantId,
 };
@@ -60,6 +62,8 @@ pub(super) struct Keyed<'a> {
     pub(super) client: ClientInfo,
     /// Where the request spent its time, for the access log.
     pub(super) timings: Timings,
+    /// The response cache's entry for the key, looked up at admission.
+    pub(super) cached: Option<Arc<Cached>>,
 }
 
 /// Where a keyed request spent its time, for the access log.
@@ -135,16 +139,28 @@ impl Proxy {
             Ok(read) => read,
             Err(p) => return refused(p),
         };
-        let fingerprint = fingerprint(policy.fingerprint, &parts, &body).await;
+        let record = RecordKey::new(tenant, key);
+        // Asked before the fingerprint: a retry with the bytes of the
+        // request that filled the entry has its fingerprint already.
+        let cached = self.cache.get(&record);
+        let known = cached.as_ref().and_then(|c| {
+            let seen = c.seen.as_ref()?;
+            inputs_match(seen, policy.fingerprint, &parts, &body).then_some(c.fingerprint)
+        });
+        let fingerprint = match known {
+            Some(f) => f,
+            None => fingerprint(policy.fingerprint, &parts, &body).await,
+        };
         Admission::Keyed(Keyed {
             route,
             route_index,
-            record: RecordKey::new(tenant, key),
+            record,
             fingerprint,
             parts,
             body,
             client: client.clone(),
             timings: Timings::default(),
+            cached,
         })
     }
 }
@@ -197,6 +213,37 @@ pub(super) async fn fingerprint(
         // Cancelled: the runtime is shutting down and never started it.
         Err(_) => compute(mode, &parts.method, &parts.uri, content_type, body),
     }
+}
+
+/// A request's fingerprint inputs, kept with a cached completion when its
+/// body is at most this long (they count against the cache's budget).
+/// Larger bodies are fingerprinted on every replay, as before.
+pub(super) const KEPT_INPUTS_MAX: usize = INLINE_JSON_MAX;
+
+/// The inputs of a keyed request, to keep with the completion it replays
+/// (`None` when the body is over [`KEPT_INPUTS_MAX`]).
+pub(super) fn inputs(mode: FingerprintMode, parts: &request::Parts, body: &[u8]) -> Option<Inputs> {
+    (body.len() <= KEPT_INPUTS_MAX).then(|| {
+        Inputs::new(
+            mode,
+            parts.method.as_str(),
+            parts.uri.path(),
+            parts.uri.query(),
+            parts.headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
+            body,
+        )
+    })
+}
+
+fn inputs_match(seen: &Inputs, mode: FingerprintMode, parts: &request::Parts, body: &[u8]) -> bool {
+    seen.matches(
+        mode,
+        parts.method.as_str(),
+        parts.uri.path(),
+        parts.uri.query(),
+        parts.headers.get(CONTENT_TYPE).map(HeaderValue::as_bytes),
+        body,
+    )
 }
 
 fn compute(

@@ -20,7 +20,7 @@ use http::{Response, StatusCode};
 use tokio::sync::futures::Notified;
 use tracing::warn;
 
-use super::admit::Keyed;
+use super::admit::{inputs, Keyed};
 use super::problem::{Problem, ProblemKind};
 use super::{expires_header, full, Handled, Proxy, EXPIRES, REPLAYED};
 use crate::cache::{Cached, Ticket};
@@ -42,8 +42,8 @@ struct Waiting<'w> {
 impl Proxy {
     /// The state machine's I/O: claim, decide, and execute or answer.
     ///
-    /// The cache (`cached_replay`) is asked first, by the caller, without
-    /// building this future. The branches that own a claim or wait are
+    /// The cache (looked up at admission, answered by `cached_replay`) is
+    /// asked first, by the caller, without building this future. The branches that own a claim or wait are
     /// boxed: their state is large, and inline it would be carried (and
     /// moved) by every replay and 409 too.
     pub(super) async fn keyed(&self, k: &Keyed<'_>) -> Handled {
@@ -109,10 +109,11 @@ impl Proxy {
     }
 
     /// A replay from this replica's cache, if it holds the completion.
-    pub(super) fn cached_replay(&self, k: &Keyed<'_>) -> Option<Handled> {
+    /// (Looked up at admission: the entry is taken from `k`.)
+    pub(super) fn cached_replay(&self, k: &mut Keyed<'_>) -> Option<Handled> {
         // A completion is immutable until it expires: a warm replica
         // replays it without a round trip.
-        let c = self.cache.get(&k.record)?;
+        let c = k.cached.take()?;
         if c.fingerprint != k.fingerprint {
             // A mismatch is the database's to answer.
             return None;
@@ -122,7 +123,7 @@ impl Proxy {
         };
         let mut resp = Response::new(full(body.clone()));
         *resp.status_mut() = replay_status(c.response.status);
-        *resp.headers_mut() = c.headers;
+        *resp.headers_mut() = c.headers.clone();
         Some(Handled::new(resp, Outcome::Replayed))
     }
 
@@ -141,6 +142,8 @@ impl Proxy {
                 response: Arc::new(response),
                 expires_at: existing.view.expires_at,
                 headers,
+                // This request's fingerprint is the record's (a replay).
+                seen: inputs(k.route.policy.fingerprint, &k.parts, &k.body),
             };
             self.cache.put(&k.record, cached, existing.now, ticket);
         }

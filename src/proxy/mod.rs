@@ -5,8 +5,10 @@
 //!                      │ yes, keyed method
 //!                    key header? ─ absent: optional → pass through, required → 400
 //!                      │ valid key, tenant
-//!                    body (≤ max_request_body, else 413) → fingerprint
-//!                      │
+//!                    body (≤ max_request_body, else 413) → cache entry? → fingerprint
+//!                      │                  (known if the bytes are the entry's)
+//! (cached)           the entry's fingerprint matches → replay from memory
+//!                      │ no entry, or another fingerprint
 //! keyed              store.claim ── existing → decide: replay │ 409 │ 422 │ take over
 //!                      │ claimed / taken over
 //! execute            forward once, renewing the lease ── settle: complete │ release │ keep
@@ -17,7 +19,11 @@
 //! * `admit` turns a request into a `Keyed` one (key, tenant, buffered
 //!   body, fingerprint), a pass-through, or a refusal. It touches neither
 //!   the store nor the upstream, so a refused request costs nothing and
-//!   leaves nothing behind.
+//!   leaves nothing behind. It looks the key up in the response cache
+//!   before fingerprinting: a retry whose method, path, query, content
+//!   type and body are byte for byte those of the request that filled
+//!   the entry has the entry's fingerprint, and is not canonicalised and
+//!   hashed again.
 //! * `keyed` is the state machine's I/O: claim, decide (the pure
 //!   [`decide`](crate::idempotency::decide)), and answer, wait or take over.
 //! * `execute` forwards an owned claim once and acts on what the pure
@@ -332,12 +338,12 @@ impl Proxy {
                 self.pass_through(req, &client).await
             }
             Admission::Refused(h) => h,
-            Admission::Keyed(k) => {
+            Admission::Keyed(mut k) => {
                 line.key = Some(k.record.key.as_str().to_owned());
                 line.request_bytes = RequestBytes::Known(k.body.len() as u64);
                 // A replay this replica holds owns nothing: answered here,
                 // in the connection's task.
-                match self.cached_replay(&k) {
+                match self.cached_replay(&mut k) {
                     Some(h) => {
                         line.timings = Some(k.timings.millis());
                         h
@@ -367,6 +373,7 @@ impl Proxy {
             body,
             client,
             timings,
+            cached: _,
         } = k;
         let this = Arc::clone(self);
         let work = async move {
@@ -380,6 +387,7 @@ impl Proxy {
                 body,
                 client,
                 timings,
+                cached: None,
             };
             let handled = this.keyed(&k).await;
             line.timings = Some(k.timings.millis());

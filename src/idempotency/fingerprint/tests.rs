@@ -12,6 +12,141 @@ fn fp(body: &[u8]) -> Fingerprint {
 }
 
 #[test]
+fn kept_inputs_match_the_same_bytes_and_nothing_else() {
+    type Parts<'a> = (
+        FingerprintMode,
+        &'a str,
+        &'a str,
+        Option<&'a str>,
+        Option<&'a [u8]>,
+        &'a [u8],
+    );
+    let body: &[u8] = br#"{"amount":100}"#;
+    let base: Parts = (
+        FingerprintMode::Json,
+        "POST",
+        "/v1/p",
+        Some("a=1"),
+        JSON,
+        body,
+    );
+    let kept = |p: Parts| Inputs::new(p.0, p.1, p.2, p.3, p.4, p.5);
+    let matches = |i: &Inputs, p: Parts| i.matches(p.0, p.1, p.2, p.3, p.4, p.5);
+    let seen = kept(base);
+    assert!(matches(&seen, base));
+    assert_eq!(seen.held_bytes(), 4 + 5 + 3 + 16 + body.len());
+    let text: Option<&[u8]> = Some(b"text/plain");
+    let other: [(&str, Parts); 8] = [
+        (
+            "mode",
+            (
+                FingerprintMode::Bytes,
+                "POST",
+                "/v1/p",
+                Some("a=1"),
+                JSON,
+                body,
+            ),
+        ),
+        (
+            "method",
+            (
+                FingerprintMode::Json,
+                "PATCH",
+                "/v1/p",
+                Some("a=1"),
+                JSON,
+                body,
+            ),
+        ),
+        (
+            "path",
+            (
+                FingerprintMode::Json,
+                "POST",
+                "/v1/q",
+                Some("a=1"),
+                JSON,
+                body,
+            ),
+        ),
+        (
+            "no query",
+            (FingerprintMode::Json, "POST", "/v1/p", None, JSON, body),
+        ),
+        (
+            "empty query",
+            (FingerprintMode::Json, "POST", "/v1/p", Some(""), JSON, body),
+        ),
+        (
+            "content type",
+            (
+                FingerprintMode::Json,
+                "POST",
+                "/v1/p",
+                Some("a=1"),
+                text,
+                body,
+            ),
+        ),
+        (
+            "no content type",
+            (
+                FingerprintMode::Json,
+                "POST",
+                "/v1/p",
+                Some("a=1"),
+                None,
+                body,
+            ),
+        ),
+        (
+            "body",
+            (
+                FingerprintMode::Json,
+                "POST",
+                "/v1/p",
+                Some("a=1"),
+                JSON,
+                br#"{"amount":101}"#,
+            ),
+        ),
+    ];
+    for (what, p) in other {
+        assert!(!matches(&seen, p), "{what}");
+    }
+    // Same JSON, other bytes: not recognised (fingerprinted as usual).
+    let spaced: &[u8] = br#"{ "amount": 100 }"#;
+    assert!(!matches(
+        &seen,
+        (base.0, base.1, base.2, base.3, base.4, spaced)
+    ));
+}
+
+proptest! {
+    /// What the kept inputs recognise has the fingerprint they were kept
+    /// with: inputs that match compute the same fingerprint.
+    #[test]
+    fn kept_inputs_that_match_have_the_same_fingerprint(
+        body in proptest::collection::vec(any::<u8>(), 0..64),
+        other in proptest::collection::vec(any::<u8>(), 0..64),
+        json in any::<bool>(),
+        same in any::<bool>(),
+    ) {
+        let other = if same { body.clone() } else { other };
+        let ct: Option<&[u8]> = if json { JSON } else { Some(b"text/plain") };
+        let seen = Inputs::new(FingerprintMode::Json, "POST", "/v1/p", None, ct, &body);
+        let fp_of = |b: &[u8]| Fingerprint::compute(FingerprintMode::Json, "POST", "/v1/p", None, ct, b);
+        if seen.matches(FingerprintMode::Json, "POST", "/v1/p", None, ct, &other) {
+            prop_assert_eq!(&body, &other);
+            prop_assert_eq!(fp_of(&body), fp_of(&other));
+        } else {
+            prop_assert_ne!(&body, &other);
+        }
+    }
+}
+
+#[test]
 fn json_key_order_and_whitespace_do_not_matter() {
     assert_eq!(
         fp(br#"{"a":1,"b":{"y":[1,2],"x":"s"}}"#),
