@@ -14,6 +14,17 @@
 //! upstream timeout. A renewal
 //! that finds the lease lost stops renewing it but does not abort the call:
 //! aborting would only make its outcome unknown.
+//!
+//! What the renewer holds is also what this process knows for certain about
+//! a key without asking the database: a claim it holds, whose lease it took
+//! or last renewed at `since`, cannot have expired in the database before
+//! `since + lease` (the database started the lease no earlier than the
+//! statement was sent). Until then no other attempt can own the key, so a
+//! duplicate arriving here is answered from [`Renewer::held_here`] (409, or
+//! 422 for another fingerprint), as the database would answer it, without a
+//! round trip. A lost lease, a lease past that point (renewals failing), or
+//! a claim no longer renewed (outcome unknown, left to expire) is not held
+//! here: such duplicates read the record as before.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,7 +34,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::idempotency::{OwnerToken, RecordKey};
+use crate::idempotency::{Fingerprint, OwnerToken, RecordKey};
 use crate::metrics::Metrics;
 use crate::store::{RenewItem, Store};
 
@@ -40,17 +51,45 @@ pub fn tick_for(shortest_lease: Duration) -> Duration {
 }
 
 struct Entry {
-    item: RenewItem,
+    record: RecordKey,
+    owner: OwnerToken,
+    fingerprint: Fingerprint,
     lease: Duration,
-    due: Instant,
+    /// When the lease was taken or last renewed (the statement was sent):
+    /// it runs in the database until no earlier than `since + lease`.
+    since: Instant,
     lost: Arc<AtomicBool>,
+}
+
+impl Entry {
+    fn due(&self) -> Instant {
+        self.since + renewal_period(self.lease)
+    }
+}
+
+/// The claims held, and which of them holds each key. (A key is held twice
+/// only when this process took over its own claim, whose lease had run
+/// out: the key then names the newer.)
+#[derive(Default)]
+struct Held {
+    entries: HashMap<u64, Entry>,
+    by_key: HashMap<RecordKey, u64>,
+}
+
+/// A duplicate's answer, known here: the key is held by this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldHere {
+    /// The fingerprint its claim was taken with.
+    pub fingerprint: Fingerprint,
+    /// How long its lease runs on, at least.
+    pub lease_remaining: Duration,
 }
 
 /// The process's lease renewer.
 pub struct Renewer {
     store: Store,
     metrics: Arc<Metrics>,
-    entries: Mutex<HashMap<u64, Entry>>,
+    held: Mutex<Held>,
     next_id: AtomicU64,
     /// The tick, in microseconds: a reload may shorten it (see
     /// [`Renewer::tick_at_most`]).
@@ -75,7 +114,12 @@ impl Renewal {
 
 impl Drop for Renewal {
     fn drop(&mut self) {
-        self.renewer.lock().remove(&self.id);
+        let mut held = self.renewer.lock();
+        if let Some(e) = held.entries.remove(&self.id) {
+            if held.by_key.get(&e.record) == Some(&self.id) {
+                held.by_key.remove(&e.record);
+            }
+        }
     }
 }
 
@@ -85,7 +129,7 @@ impl Renewer {
         Renewer {
             store,
             metrics,
-            entries: Mutex::new(HashMap::new()),
+            held: Mutex::new(Held::default()),
             next_id: AtomicU64::new(0),
             tick_micros: AtomicU64::new(micros(tick)),
             tick_shortened: tokio::sync::Notify::new(),
@@ -107,36 +151,36 @@ impl Renewer {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
-        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Keeps a claim alive until the returned guard is dropped. `since`:
     /// when its lease began (or was last renewed); the first renewal is due
-    /// a renewal period after that, not after this call.
+    /// a renewal period after that, not after this call. `fingerprint`:
+    /// the one it was claimed with, which a duplicate must match.
     pub fn hold(
         self: &Arc<Self>,
         record: &RecordKey,
         owner: OwnerToken,
+        fingerprint: Fingerprint,
         lease: Duration,
         since: Instant,
     ) -> Renewal {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let lost = Arc::new(AtomicBool::new(false));
-        self.lock().insert(
-            id,
-            Entry {
-                item: RenewItem {
-                    tenant: record.tenant.as_str().to_owned(),
-                    key: record.key.as_str().to_owned(),
-                    owner: owner.as_uuid(),
-                    lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
-                },
-                lease,
-                due: since + renewal_period(lease),
-                lost: lost.clone(),
-            },
-        );
+        let entry = Entry {
+            record: record.clone(),
+            owner,
+            fingerprint,
+            lease,
+            since,
+            lost: lost.clone(),
+        };
+        let mut held = self.lock();
+        held.entries.insert(id, entry);
+        held.by_key.insert(record.clone(), id);
+        drop(held);
         Renewal {
             renewer: self.clone(),
             id,
@@ -146,7 +190,23 @@ impl Renewer {
 
     /// Claims currently held.
     pub fn held(&self) -> usize {
-        self.lock().len()
+        self.lock().entries.len()
+    }
+
+    /// Whether this process holds `record` in flight, with a lease not
+    /// lost and known to run on (see the module's notes): then no other
+    /// attempt can own the key, and a duplicate's answer is known here.
+    pub fn held_here(&self, record: &RecordKey) -> Option<HeldHere> {
+        let held = self.lock();
+        let e = held.entries.get(held.by_key.get(record)?)?;
+        if e.lost.load(Ordering::SeqCst) {
+            return None;
+        }
+        let lease_remaining = (e.since + e.lease).checked_duration_since(Instant::now())?;
+        Some(HeldHere {
+            fingerprint: e.fingerprint,
+            lease_remaining,
+        })
     }
 
     /// Renews every due claim in one statement. Returns how many were sent.
@@ -154,9 +214,18 @@ impl Renewer {
         let now = Instant::now();
         let due: Vec<(u64, RenewItem)> = self
             .lock()
+            .entries
             .iter()
-            .filter(|(_, e)| e.due <= now && !e.lost.load(Ordering::SeqCst))
-            .map(|(id, e)| (*id, e.item.clone()))
+            .filter(|(_, e)| e.due() <= now && !e.lost.load(Ordering::SeqCst))
+            .map(|(id, e)| {
+                let item = RenewItem {
+                    tenant: e.record.tenant.as_str().to_owned(),
+                    key: e.record.key.as_str().to_owned(),
+                    owner: e.owner.as_uuid(),
+                    lease_ms: i64::try_from(e.lease.as_millis()).unwrap_or(i64::MAX),
+                };
+                (*id, item)
+            })
             .collect();
         if due.is_empty() {
             return 0;
@@ -167,20 +236,20 @@ impl Renewer {
         self.metrics.store("renew", started.elapsed());
         match result {
             Ok(renewed) => {
-                let mut entries = self.lock();
+                let mut held = self.lock();
                 for (id, ok) in ids.iter().zip(renewed) {
                     // Gone already: its call ended meanwhile.
-                    let Some(e) = entries.get_mut(id) else {
+                    let Some(e) = held.entries.get_mut(id) else {
                         continue;
                     };
                     if ok {
                         self.metrics.renewal("ok");
-                        e.due = started + renewal_period(e.lease);
+                        e.since = started;
                     } else {
                         self.metrics.renewal("lost");
                         e.lost.store(true, Ordering::SeqCst);
                         warn!(
-                            key = %e.item.key,
+                            key = %e.record.key,
                             "lease lost while the upstream call is in flight; the call continues, its result will not be stored"
                         );
                     }

@@ -196,6 +196,7 @@ pub struct Metrics {
     store_duration: Family<OpLabels, Histogram, fn() -> Histogram>,
     in_flight: Gauge,
     takeovers: Counter,
+    held_here: Counter,
     renewals: Family<ResultLabels, Counter>,
     sweeper_deleted: Counter,
     pool_size: Gauge,
@@ -275,6 +276,12 @@ impl Metrics {
             "takeovers",
             "Claims taken over after an expired lease",
             takeovers.clone(),
+        );
+        let held_here = Counter::default();
+        registry.register(
+            "duplicates_held_here",
+            "Duplicates of a key this process holds in flight, answered 409 or 422 without reading the store",
+            held_here.clone(),
         );
         let renewals = Family::<ResultLabels, Counter>::default();
         registry.register(
@@ -403,6 +410,7 @@ impl Metrics {
             store_duration,
             in_flight,
             takeovers,
+            held_here,
             renewals,
             sweeper_deleted,
             pool_size,
@@ -532,6 +540,12 @@ impl Metrics {
     /// Counts a takeover.
     pub fn takeover(&self) {
         self.takeovers.inc();
+    }
+
+    /// Counts a duplicate answered from the renewer's knowledge of a key
+    /// this process holds, without the store.
+    pub fn duplicate_held_here(&self) {
+        self.held_here.inc();
     }
 
     /// Counts a renewal: `ok`, `lost` or `error`.

@@ -119,7 +119,7 @@ impl Proxy {
         // key to a retry because the database was slow to take it.
         let renewal = self
             .renewer
-            .hold(&k.record, claim.owner, policy.lease, since);
+            .hold(&k.record, claim.owner, k.fingerprint, policy.lease, since);
         let result = bounded.await;
         let elapsed = started.elapsed();
         self.metrics.upstream(elapsed);

@@ -127,6 +127,24 @@ impl Proxy {
         Some(Handled::new(resp, Outcome::Replayed))
     }
 
+    /// A duplicate of a key this process holds in flight, answered without
+    /// the database: while the lease is known to run on, the record can
+    /// only be our in-flight claim, so the answer is the one the database
+    /// would give, `409` (or `422` for another fingerprint). A route that
+    /// waits for the original is left to the keyed path.
+    pub(super) fn held_here(&self, k: &Keyed<'_>) -> Option<Handled> {
+        if k.notifies() {
+            return None;
+        }
+        let held = self.renewer.held_here(&k.record)?;
+        self.metrics.duplicate_held_here();
+        Some(if held.fingerprint == k.fingerprint {
+            conflict(held.lease_remaining)
+        } else {
+            mismatch(k)
+        })
+    }
+
     /// Replays a completed record read from the database, and caches it for
     /// the next retry.
     fn replay_existing(&self, k: &Keyed<'_>, existing: Existing, ticket: Ticket) -> Handled {

@@ -9,6 +9,8 @@
 //!                      │                  (known if the bytes are the entry's)
 //! (cached)           the entry's fingerprint matches → replay from memory
 //!                      │ no entry, or another fingerprint
+//! (held here)        this process holds the key in flight, lease running → 409 │ 422
+//!                      │ not held here
 //! keyed              store.claim ── existing → decide: replay │ 409 │ 422 │ take over
 //!                      │ claimed / taken over
 //! execute            forward once, renewing the lease ── settle: complete │ release │ keep
@@ -24,6 +26,9 @@
 //!   type and body are byte for byte those of the request that filled
 //!   the entry has the entry's fingerprint, and is not canonicalised and
 //!   hashed again.
+//! * A duplicate of a key this process holds in flight, under a lease it
+//!   knows runs on (the renewer's), is answered `409` (or `422`) without
+//!   the database, which could only say the same (`lease`'s notes).
 //! * `keyed` is the state machine's I/O: claim, decide (the pure
 //!   [`decide`](crate::idempotency::decide)), and answer, wait or take over.
 //! * `execute` forwards an owned claim once and acts on what the pure
@@ -341,9 +346,10 @@ impl Proxy {
             Admission::Keyed(mut k) => {
                 line.key = Some(k.record.key.as_str().to_owned());
                 line.request_bytes = RequestBytes::Known(k.body.len() as u64);
-                // A replay this replica holds owns nothing: answered here,
-                // in the connection's task.
-                match self.cached_replay(&mut k) {
+                // A replay this replica holds, or a duplicate of a key it
+                // holds in flight, owns nothing: answered here, in the
+                // connection's task.
+                match self.cached_replay(&mut k).or_else(|| self.held_here(&k)) {
                     Some(h) => {
                         line.timings = Some(k.timings.millis());
                         h
