@@ -2,7 +2,8 @@
 //!
 //! One turn reads (or claims) the record in a single statement and lets the
 //! pure [`decide`] say what it means: replay, 409 (or wait), 422, or take
-//! over. Only the store and the waiters are touched here; an owned claim
+//! over. Only the store, the waiters and the renewer (which knows the
+//! claims this process holds) are touched here; an owned claim
 //! goes on to `execute`, which is the only place the upstream is called.
 //!
 //! Why a loop: a takeover is a fenced write, and it loses when the record
