@@ -24,7 +24,12 @@
 //! 422 for another fingerprint), as the database would answer it, without a
 //! round trip. A lost lease, a lease past that point (renewals failing), or
 //! a claim no longer renewed (outcome unknown, left to expire) is not held
-//! here: such duplicates read the record as before.
+//! here: such duplicates read the record as before. The reasoning trusts
+//! this process's monotonic clock, as the lease check before forwarding
+//! does; where it stood still while the database's ran on (a suspended
+//! VM), the worst a duplicate gets from here is a `409` where the database
+//! would have replayed or let it take over, and its retry reads again
+//! once the renewal has found the lease lost.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
