@@ -19,7 +19,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use support::db::TestDb;
+use support::db::{DbLocale, TestDb};
 use support::http::{HttpClient, Req, Resp};
 use support::pgbouncer::{backends, PgBouncer, PgBouncerOptions};
 use support::process::TempDir;
@@ -440,4 +440,76 @@ async fn named_prepared_statements_through_a_transaction_pooler_fail_keyed_reque
     for (k, n) in stats["keys"].as_object().unwrap() {
         assert_eq!(n.as_u64(), Some(1), "{k}");
     }
+}
+
+/// The claim statements (reads or claims of a record) a replica ran.
+const CLAIMS: &str = r#"idemproxy_store_duration_seconds_count{op="claim"}"#;
+const HELD_HERE: &str = "idemproxy_duplicates_held_here_total";
+
+// A key held in flight by one replica, behind a transaction-mode pooler on
+// an en-US-collated database (DESIGN §8.3, §8.5): that replica answers its
+// duplicates from memory, another replica through the pooler, and both
+// keep answering 409 while the holder drains after SIGTERM with its
+// client gone (the work detached, §8.2); then the completion replays.
+#[tokio::test]
+async fn a_key_held_by_one_replica_is_answered_from_memory_there_and_from_the_store_elsewhere_through_a_drain(
+) {
+    let dir = TempDir::new("held-here-fleet");
+    let db = TestDb::with_locale(DbLocale::IcuEnUs).await;
+    let up = UpstreamProc::start(&dir).await;
+    let bouncer = PgBouncer::start("held-here-fleet", &db.url, PgBouncerOptions::default()).await;
+    let config = ProxyConfig::new(&up.url(), &bouncer.url(&db.name))
+        .pooled(&db.url)
+        .lease("3s")
+        .shutdown_grace("10s");
+    let mut a = ProxyProc::start(&dir, "replica-a", &config).await;
+    let b = ProxyProc::start(&dir, "replica-b", &config).await;
+
+    // The original's client gives up after 0.8 s of a 3 s call.
+    let impatient = a.try_post(
+        "k-held",
+        PAY,
+        &[("x-sample-delay-ms", "3000")],
+        Duration::from_millis(800),
+    );
+    let (gave_up, ()) = tokio::join!(impatient, async {
+        up.wait_executions("k-held", 1, Duration::from_secs(5))
+            .await;
+        let claims = a.metric(CLAIMS).await;
+        for _ in 0..3 {
+            let r = a.post("k-held", PAY, &[]).await;
+            assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
+        }
+        let r = a.post("k-held", r#"{"amount": 1}"#, &[]).await;
+        assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.text());
+        assert_eq!(a.metric(CLAIMS).await, claims, "no statement at the holder");
+        assert_eq!(a.metric(HELD_HERE).await, 4.0);
+
+        let claims = b.metric(CLAIMS).await;
+        let r = b.post("k-held", PAY, &[]).await;
+        assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
+        assert_eq!(b.metric(CLAIMS).await, claims + 1.0, "one read elsewhere");
+        assert_eq!(b.metric(HELD_HERE).await, 0.0);
+    });
+    assert!(gave_up.is_err(), "the original's client gave up");
+
+    // The holder drains: it finishes the detached call before it exits.
+    a.proc.signal("TERM");
+    let r = b.post("k-held", PAY, &[]).await;
+    assert_eq!(
+        r.status,
+        StatusCode::CONFLICT,
+        "during the drain: {}",
+        r.text()
+    );
+    let status = a
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .await
+        .expect("the holder exits after its call");
+    assert_eq!(status.code(), Some(0));
+    let r = b.post("k-held", PAY, &[]).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(up.executions("k-held").await, 1);
 }
