@@ -10,17 +10,17 @@ use idemproxy::idempotency::{IdempotencyKey, OwnerToken, RecordKey, TenantId};
 use idemproxy::metrics::Outcome;
 use idemproxy::store::StoredResponse;
 use support::harness::{Harness, Setup};
-use support::http::Req;
+use support::http::{metric_value, Req};
 
 const PAY: &str = r#"{"amount": 100, "currency": "EUR"}"#;
 
 /// Statements that read or claimed a record (every duplicate the database
 /// answers runs one).
 fn claim_statements(h: &Harness) -> f64 {
-    let m = h.running().metrics.render();
-    m.lines()
-        .find_map(|l| l.strip_prefix(r#"idemproxy_store_duration_seconds_count{op="claim"} "#))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
+    metric_value(
+        &h.running().metrics.render(),
+        r#"idemproxy_store_duration_seconds_count{op="claim"}"#,
+    )
 }
 
 /// Sends a keyed request that the sample upstream holds for `delay_ms`,
