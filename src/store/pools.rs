@@ -30,11 +30,19 @@
 //!    connections come free.
 //!
 //! A pool too small to leave each worker a connection is one pool for all.
+//!
+//! Within a lane the connection given back last is taken first (LIFO, as
+//! PgBouncer does with its server connections). deadpool's default, first
+//! in first out, sent each statement to the backend idle longest, so a
+//! lane's connections took turns, none kept warm: at one request at a time
+//! that cost
+//! the database about a quarter more CPU per new key (388–398 µs against
+//! 297–316) and the key 0.15–0.2 ms.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool::managed::{PoolError, Timeouts};
+use deadpool::managed::{PoolError, QueueMode, Timeouts};
 use deadpool_postgres::Runtime;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 
@@ -88,6 +96,8 @@ impl Pools {
                 Pool::builder(manager())
                     .max_size(size)
                     .timeouts(timeouts)
+                    // Last in, first out (module docs).
+                    .queue_mode(QueueMode::Lifo)
                     .runtime(Runtime::Tokio1)
                     .build()
                     .map_err(|e| StoreError::Pool(e.to_string()))
@@ -260,6 +270,39 @@ mod tests {
             waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
             "{waited:?}"
         );
+    }
+
+    /// The backend process behind a connection.
+    async fn backend(conn: &crate::store::conn::Conn) -> i32 {
+        const PID: crate::store::conn::Sql = crate::store::conn::Sql {
+            text: "SELECT pg_backend_pid()",
+            types: &[],
+        };
+        conn.query_one(&PID, &[]).await.unwrap().get(0)
+    }
+
+    // The connection given back last is the next one out, so at low
+    // concurrency one warm backend serves statement after statement
+    // instead of each going to the one idle longest.
+    #[tokio::test]
+    async fn the_connection_given_back_last_is_taken_first() {
+        let pools = pools(4, 1, Duration::from_secs(5));
+        set_lane(None);
+        let (a, b, c) = (
+            pools.checkout().await.unwrap(),
+            pools.checkout().await.unwrap(),
+            pools.checkout().await.unwrap(),
+        );
+        let last = backend(&c).await;
+        assert_ne!(backend(&a).await, last);
+        drop(a);
+        drop(b);
+        drop(c);
+        for _ in 0..3 {
+            let conn = pools.checkout().await.unwrap();
+            assert_eq!(backend(&conn).await, last, "not the one given back last");
+        }
+        assert_eq!(pools.status(), (3, 3, 0), "no connection opened or lost");
     }
 
     #[test]
