@@ -35,9 +35,8 @@
 //! PgBouncer does with its server connections). deadpool's default, first
 //! in first out, sent each statement to the backend idle longest, so a
 //! lane's connections took turns, none kept warm: at one request at a time
-//! that cost
-//! the database about a quarter more CPU per new key (388–398 µs against
-//! 297–316) and the key 0.15–0.2 ms.
+//! that cost the database a fifth to a third more CPU per new key (379–408
+//! µs against 310–324) and the key 0.08–0.17 ms.
 
 use std::sync::Arc;
 use std::time::Duration;
