@@ -548,101 +548,38 @@ async fn exec_completions(
     Ok(out)
 }
 
-/// Where the columns of a claim's answer are in its row (`claim.sql`,
-/// `claim_batch.sql` with its leading `i`, `claim_read.sql`).
-#[derive(Default)]
-struct ClaimColumns {
-    claimed: Option<usize>,
-    owner_token: Option<usize>,
-    attempt: Option<usize>,
-    fingerprint: Option<usize>,
-    state: Option<usize>,
-    lease_expires_at: Option<usize>,
-    expires_at: Option<usize>,
-    response_status: Option<usize>,
-    header_names: Option<usize>,
-    header_values: Option<usize>,
-    body: Option<usize>,
-    body_omitted: Option<usize>,
-    now: Option<usize>,
-}
-
-impl ClaimColumns {
-    /// One pass over the row's column names (each `Row::get` by name
-    /// searches them all again: some 5,000 instructions per claim).
-    fn of(row: &Row) -> Self {
-        let mut c = ClaimColumns::default();
-        for (i, column) in row.columns().iter().enumerate() {
-            let slot = match column.name() {
-                "claimed" => &mut c.claimed,
-                "owner_token" => &mut c.owner_token,
-                "attempt" => &mut c.attempt,
-                "fingerprint" => &mut c.fingerprint,
-                "state" => &mut c.state,
-                "lease_expires_at" => &mut c.lease_expires_at,
-                "expires_at" => &mut c.expires_at,
-                "response_status" => &mut c.response_status,
-                "header_names" => &mut c.header_names,
-                "header_values" => &mut c.header_values,
-                "body" => &mut c.body,
-                "body_omitted" => &mut c.body_omitted,
-                "now" => &mut c.now,
-                _ => continue,
-            };
-            *slot = Some(i);
-        }
-        c
-    }
-}
-
-/// Column `at` (named `name`) of `row`, or `Corrupt` if the statement has
-/// no such column or it holds another type: never a panic.
-fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
-    row: &'a Row,
-    at: Option<usize>,
-    name: &str,
-) -> Result<T, StoreError> {
-    let at = at.ok_or_else(|| StoreError::Corrupt(format!("no column {name}")))?;
-    row.try_get(at)
-        .map_err(|e| StoreError::Corrupt(format!("column {name}: {e}")))
-}
-
 fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {
-    let c = ClaimColumns::of(row);
-    let owner = OwnerToken::from_uuid(column(row, c.owner_token, "owner_token")?);
-    let attempt: i32 = column(row, c.attempt, "attempt")?;
-    if column::<bool>(row, c.claimed, "claimed")? {
+    let owner = OwnerToken::from_uuid(row.get("owner_token"));
+    let attempt: i32 = row.get("attempt");
+    if row.get::<_, bool>("claimed") {
         return Ok(ClaimResult::Claimed(Claim {
             owner,
             attempt,
-            lease_expires_at: column(row, c.lease_expires_at, "lease_expires_at")?,
+            lease_expires_at: row.get("lease_expires_at"),
         }));
     }
-    let fp_bytes: &[u8] = column(row, c.fingerprint, "fingerprint")?;
-    let fingerprint = Fingerprint::from_bytes(fp_bytes)
+    let fp_bytes: Vec<u8> = row.get("fingerprint");
+    let fingerprint = Fingerprint::from_bytes(&fp_bytes)
         .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
-    let state: &str = column(row, c.state, "state")?;
-    let state = match state {
+    let state: String = row.get("state");
+    let state = match state.as_str() {
         "completed" => RecordState::Completed,
         "in_flight" => RecordState::InFlight {
-            lease_expires_at: column::<Option<SystemTime>>(
-                row,
-                c.lease_expires_at,
-                "lease_expires_at",
-            )?
-            .ok_or_else(|| StoreError::Corrupt("in-flight record without a lease".into()))?,
+            lease_expires_at: row
+                .get::<_, Option<SystemTime>>("lease_expires_at")
+                .ok_or_else(|| StoreError::Corrupt("in-flight record without a lease".into()))?,
         },
         other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
     };
     let response = match state {
         RecordState::Completed => {
-            let status: Option<i16> = column(row, c.response_status, "response_status")?;
-            let names: Option<Vec<String>> = column(row, c.header_names, "header_names")?;
-            let values: Option<Vec<Vec<u8>>> = column(row, c.header_values, "header_values")?;
+            let status: Option<i16> = row.get("response_status");
+            let names: Option<Vec<String>> = row.get("header_names");
+            let values: Option<Vec<Vec<u8>>> = row.get("header_values");
             match (status, names, values) {
                 (Some(status), Some(names), Some(values)) if names.len() == values.len() => {
-                    let omitted: bool = column(row, c.body_omitted, "body_omitted")?;
-                    let body: Option<&[u8]> = column(row, c.body, "body")?;
+                    let omitted: bool = row.get("body_omitted");
+                    let body: Option<Vec<u8>> = row.get("body");
                     Some(StoredResponse {
                         status: u16::try_from(status)
                             .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
@@ -653,7 +590,7 @@ fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {
                         body: if omitted {
                             None
                         } else {
-                            Some(Bytes::copy_from_slice(body.unwrap_or_default()))
+                            Some(Bytes::from(body.unwrap_or_default()))
                         },
                     })
                 }
@@ -674,9 +611,9 @@ fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {
             owner,
             attempt,
             state,
-            expires_at: column(row, c.expires_at, "expires_at")?,
+            expires_at: row.get("expires_at"),
         },
         response,
-        now: column(row, c.now, "now")?,
+        now: row.get("now"),
     }))
 }
