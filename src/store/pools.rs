@@ -183,7 +183,7 @@ mod tests {
 
     use super::{split, Pools};
     use crate::config::{OnStoreError, Secret, StoreConfig};
-    use crate::store::conn::Manager;
+    use crate::store::conn::{Conn, Manager, Sql};
     use crate::workers::set_lane;
 
     /// The pools of `pool_size` connections over `lanes` lanes, on the test
@@ -272,8 +272,8 @@ mod tests {
     }
 
     /// The backend process behind a connection.
-    async fn backend(conn: &crate::store::conn::Conn) -> i32 {
-        const PID: crate::store::conn::Sql = crate::store::conn::Sql {
+    async fn backend(conn: &Conn) -> i32 {
+        const PID: Sql = Sql {
             text: "SELECT pg_backend_pid()",
             types: &[],
         };
