@@ -6,6 +6,7 @@
 //! trying (with backoff) to connect and migrate. Every task it spawns
 //! belongs to the [`Lifecycle`], which drains them on shutdown.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
@@ -108,13 +109,14 @@ impl Handler for LiveProxy {
         self.current().limits()
     }
 
-    async fn call(
+    // Not `async`: the proxy's own future is returned as it is, not
+    // wrapped in (and moved into) another one per request.
+    fn call(
         self: Arc<Self>,
         req: Request<Incoming>,
         client: ClientInfo,
-    ) -> Response<ProxyBody> {
-        let proxy = self.current();
-        proxy.call(req, client).await
+    ) -> impl Future<Output = Response<ProxyBody>> + Send {
+        self.current().call(req, client)
     }
 }
 

@@ -86,16 +86,17 @@ impl Handler for Proxy {
         }
     }
 
-    async fn call(
+    fn call(
         self: Arc<Self>,
         req: Request<Incoming>,
         client: ClientInfo,
-    ) -> Response<ProxyBody> {
+    ) -> impl Future<Output = Response<ProxyBody>> + Send {
         // Inline, in the connection's task: a pass-through or a cached
         // replay owns nothing. The keyed path, which may own a claim, moves
-        // to a task of its own there (`Proxy::handle`).
+        // to a task of its own there (`Proxy::handle`). Not `async`:
+        // `handle`'s future is the request's, not one wrapped around it.
         let routing = self.routing(&req);
-        self.handle(req, client, routing).await
+        self.handle(req, client, routing)
     }
 }
 

@@ -275,7 +275,7 @@ impl Proxy {
     /// path, then account for it once (metrics now, the access line when
     /// the response body is done). `routing` is [`Proxy::routing`] of it.
     pub async fn handle(
-        self: &Arc<Self>,
+        self: Arc<Self>,
         mut req: Request<Incoming>,
         client: ClientInfo,
         routing: Routing,
