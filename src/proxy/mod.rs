@@ -400,7 +400,9 @@ impl Proxy {
             line.attempt = handled.attempt;
             this.respond(handled.response, handled.outcome, &route.name, line)
         };
-        match self.lifecycle.spawn_work(work).await {
+        // Boxed: spawning moves a future into the task's cell, and this
+        // one (the whole keyed path) is a few KiB; a box moves as a pointer.
+        match self.lifecycle.spawn_work(Box::pin(work)).await {
             Ok(response) => response,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // Cancelled: only when the runtime itself shuts down, and with

@@ -275,6 +275,10 @@ impl Batchers {
     /// batch is bounded by `store.timeout` like any statement: a worker stuck
     /// on a frozen primary gives up, and its connection is closed. `None`
     /// outside a tokio runtime (then every statement goes alone).
+    ///
+    /// A batch's statement future (about 3 KiB for claims) is boxed where
+    /// it is made: unboxed, the timeout, its `map` and the batcher's own
+    /// box would each move all of it again.
     pub(super) fn start(
         pools: &Pools,
         config: &StoreConfig,
@@ -288,19 +292,25 @@ impl Batchers {
         Some(Arc::new(Batchers {
             claims: Batcher::start(workers, MAX_BATCH, move |items| {
                 let (pools, flavor) = (p1.clone(), f1.clone());
-                bounded(timeout, async move {
-                    let conn = pools.checkout().await?;
-                    let citus = flavor.citus(&conn).await?;
-                    exec_claims(&conn, items, citus).await
-                })
+                bounded(
+                    timeout,
+                    Box::pin(async move {
+                        let conn = pools.checkout().await?;
+                        let citus = flavor.citus(&conn).await?;
+                        exec_claims(&conn, items, citus).await
+                    }),
+                )
             }),
             completions: Batcher::start(workers, MAX_BATCH, move |items| {
                 let (pools, flavor) = (p2.clone(), f2.clone());
-                bounded(timeout, async move {
-                    let conn = pools.checkout().await?;
-                    let citus = flavor.citus(&conn).await?;
-                    exec_completions(&conn, items, citus).await
-                })
+                bounded(
+                    timeout,
+                    Box::pin(async move {
+                        let conn = pools.checkout().await?;
+                        let citus = flavor.citus(&conn).await?;
+                        exec_completions(&conn, items, citus).await
+                    }),
+                )
             }),
         }))
     }
