@@ -51,6 +51,7 @@ mod keyed;
 mod path;
 
 use std::borrow::Cow;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -369,7 +370,15 @@ impl Proxy {
     /// and an owned claim must outlive its client (see `lifecycle`), as
     /// must its metrics and its access line. The drain waits for these
     /// tasks.
-    async fn detached(self: &Arc<Self>, k: Keyed<'_>, mut line: AccessLine) -> Response<ProxyBody> {
+    ///
+    /// Not `async`: the task is spawned when this is called (`handle`
+    /// awaits it at once), and the future `handle` keeps is only the wait
+    /// for its answer.
+    fn detached(
+        self: &Arc<Self>,
+        k: Keyed<'_>,
+        mut line: AccessLine,
+    ) -> impl Future<Output = Response<ProxyBody>> + Send + 'static {
         let Keyed {
             route: _,
             route_index,
@@ -402,15 +411,18 @@ impl Proxy {
         };
         // Boxed: spawning moves a future into the task's cell, and this
         // one (the whole keyed path) is a few KiB; a box moves as a pointer.
-        match self.lifecycle.spawn_work(Box::pin(work)).await {
-            Ok(response) => response,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // Cancelled: only when the runtime itself shuts down, and with
-            // it this connection; the answer is never sent.
-            Err(_) => {
-                let mut response = Response::new(full(Bytes::new()));
-                *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
-                response
+        let task = self.lifecycle.spawn_work(Box::pin(work));
+        async move {
+            match task.await {
+                Ok(response) => response,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // Cancelled: only when the runtime itself shuts down, and
+                // with it this connection; the answer is never sent.
+                Err(_) => {
+                    let mut response = Response::new(full(Bytes::new()));
+                    *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+                    response
+                }
             }
         }
     }
