@@ -6,7 +6,6 @@
 //! hold it (DESIGN.md §6, `max_request_body` applies to keyed requests only).
 //! Hop-by-hop headers are dropped in both directions (§6).
 
-use std::future::{ready, Future};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -15,7 +14,6 @@ use bytes::Bytes;
 use http::header::{HeaderValue, HOST};
 use http::{request, response, Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use futures_util::future::Either;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tracing::warn;
@@ -27,46 +25,32 @@ use crate::metrics::Outcome;
 impl Proxy {
     /// Forwards a request that is not keyed, untouched but for the
     /// forwarding headers.
-    ///
-    /// This and [`Proxy::forward_streaming`] are not `async`: the request is
-    /// made here, and the future returned is the upstream exchange with
-    /// only the accounting around it, not three futures nested, each with
-    /// a copy of the request (a pass-through's hot path).
-    pub(super) fn pass_through(
+    pub(super) async fn pass_through(
         &self,
         req: Request<ProxyBody>,
         client: &ClientInfo,
-    ) -> impl Future<Output = Handled> + Send + '_ {
+    ) -> Handled {
         let (parts, body) = req.into_parts();
         match self.forward_owned(parts, body, client, None) {
-            Ok(req) => Either::Left(self.forward_streaming(req)),
-            Err(e) => Either::Right(ready(Handled::problem(
-                Problem::unforwardable(&e),
-                Outcome::Rejected,
-            ))),
+            Ok(req) => self.forward_streaming(req).await,
+            Err(e) => Handled::problem(Problem::unforwardable(&e), Outcome::Rejected),
         }
     }
 
     /// Sends a request no claim protects and streams the answer back.
-    pub(super) fn forward_streaming(
-        &self,
-        req: Request<ProxyBody>,
-    ) -> impl Future<Output = Handled> + Send + '_ {
+    pub(super) async fn forward_streaming(&self, req: Request<ProxyBody>) -> Handled {
         let started = Instant::now();
-        let exchange = self.upstream.send(req);
-        async move {
-            let result = exchange.await;
-            self.metrics.upstream(started.elapsed());
-            match result {
-                Ok(resp) => Handled::new(stream_response(resp), Outcome::Passthrough),
-                Err(e) => {
-                    // The chain (address, OS error) is for the operator only.
-                    warn!(error = %e, "upstream exchange failed");
-                    Handled::problem(
-                        Problem::upstream(&e, Forwarded::Unprotected),
-                        Outcome::Passthrough,
-                    )
-                }
+        let result = self.upstream.send(req).await;
+        self.metrics.upstream(started.elapsed());
+        match result {
+            Ok(resp) => Handled::new(stream_response(resp), Outcome::Passthrough),
+            Err(e) => {
+                // The chain (address, OS error) is for the operator only.
+                warn!(error = %e, "upstream exchange failed");
+                Handled::problem(
+                    Problem::upstream(&e, Forwarded::Unprotected),
+                    Outcome::Passthrough,
+                )
             }
         }
     }

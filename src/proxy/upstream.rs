@@ -20,12 +20,10 @@
 mod connect;
 mod pool;
 
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt as _;
 use http::uri::{PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
@@ -165,13 +163,11 @@ impl Upstream {
     }
 
     /// Sends a request and waits for the response headers, within the
-    /// exchange bound. Not `async`: the request is made ready here, and the
-    /// future returned is the bounded exchange itself, with no layer (and
-    /// no copy of the request) of its own.
-    pub fn send(
+    /// exchange bound.
+    pub async fn send(
         &self,
         mut req: Request<ProxyBody>,
-    ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
+    ) -> Result<Response<Incoming>, UpstreamError> {
         *req.version_mut() = Version::HTTP_11;
         // hyper::client::conn writes the URI as given: origin-form only.
         if req.uri().scheme().is_some() {
@@ -182,11 +178,10 @@ impl Upstream {
                 .map_or_else(|| Uri::from_static("/"), Uri::from);
             *req.uri_mut() = origin;
         }
-        let limit = self.timeout;
-        crate::timer::timeout(limit, self.exchange(req)).map(move |r| match r {
-            Err(_) => Err(UpstreamError::Timeout(limit)),
+        match crate::timer::timeout(self.timeout, self.exchange(req)).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(result) => result,
-        })
+        }
     }
 
     /// One exchange: on a kept connection if one is ready, else on a new
