@@ -410,7 +410,7 @@ impl Proxy {
             this.respond(handled.response, handled.outcome, &route.name, line)
         };
         // Boxed: spawning moves a future into the task's cell, and this
-        // one (the whole keyed path) is a few KiB; a box moves as a pointer.
+        // one (the whole keyed path) is large; a box moves as a pointer.
         let task = self.lifecycle.spawn_work(Box::pin(work));
         async move {
             match task.await {

@@ -276,9 +276,9 @@ impl Batchers {
     /// on a frozen primary gives up, and its connection is closed. `None`
     /// outside a tokio runtime (then every statement goes alone).
     ///
-    /// A batch's statement future (about 3 KiB for claims) is boxed where
-    /// it is made: unboxed, the timeout, its `map` and the batcher's own
-    /// box would each move all of it again.
+    /// A batch's statement future (checkout, Citus probe and statement,
+    /// inline) is boxed where it is made: unboxed, the timeout, its `map`
+    /// and the batcher's own box would each move all of it again.
     pub(super) fn start(
         pools: &Pools,
         config: &StoreConfig,
