@@ -47,7 +47,7 @@ use tracing::{debug, error, warn};
 
 use crate::proxy::{ClientInfo, Proxy, ProxyBody};
 use crate::timer::HyperTimer;
-use crate::workers::Workers;
+use crate::workers::{Served, Spread, Workers};
 
 /// A handler for one request, given the peer.
 pub trait Handler: Send + Sync + 'static {
@@ -136,7 +136,7 @@ pub async fn serve_with<H: Handler>(
     grace: Duration,
 ) {
     let slots = slots_for(&handler.limits());
-    accept(listener, handler, options, slots, shutdown, grace).await;
+    accept(listener, handler, options, slots, None, shutdown, grace).await;
 }
 
 /// The places under `max_connections`, shared by every accept loop of a
@@ -147,10 +147,10 @@ fn slots_for(limits: &ConnectionLimits) -> Option<Arc<Semaphore>> {
 
 /// Serves `listener` on `count` worker threads ([`crate::workers`]), each
 /// accepting from it on a runtime of its own and serving the connections
-/// it accepted, until `shutdown` is cancelled; then each drains as
-/// [`serve_with`] does. `max_connections` bounds them together. The
-/// returned future resolves when every worker has drained its listener;
-/// the [`Workers`] keep their runtimes until released.
+/// it accepted or was handed ([`Spread`]), until `shutdown` is cancelled;
+/// then each drains as [`serve_with`] does. `max_connections` bounds them
+/// together. The returned future resolves when every worker has drained
+/// its listener; the [`Workers`] keep their runtimes until released.
 pub fn serve_on_workers<H: Handler>(
     listener: TcpListener,
     handler: Arc<H>,
@@ -161,14 +161,23 @@ pub fn serve_on_workers<H: Handler>(
 ) -> std::io::Result<(Workers, impl Future<Output = ()> + Send + 'static)> {
     // One descriptor per worker, each registered with its own runtime:
     // every worker waits on the same accept queue and the first free one
-    // takes the connection.
+    // takes the connection, then hands it to another worker when it serves
+    // two more than that one ([`Spread`]): the first free one may take a
+    // whole burst.
     let served = TaskTracker::new();
     let listener = listener.into_std()?;
+    let (spread, inboxes) = Spread::new(count);
     let mut each = Vec::new();
-    for _ in 0..count.max(1) {
+    for (index, inbox) in inboxes.into_iter().enumerate() {
         // The token counts the worker as serving until its loop has ended.
-        each.push((listener.try_clone()?, served.token()));
+        let share = Share {
+            spread: spread.clone(),
+            index,
+            inbox,
+        };
+        each.push((listener.try_clone()?, served.token(), share));
     }
+    drop(spread);
     drop(listener);
     served.close();
     let each = std::sync::Mutex::new(each);
@@ -185,7 +194,7 @@ pub fn serve_on_workers<H: Handler>(
             shutdown.clone(),
         );
         async move {
-            let Some((listener, _serving)) = taken else {
+            let Some((listener, _serving, share)) = taken else {
                 return;
             };
             let listener = match TcpListener::from_std(listener) {
@@ -200,6 +209,7 @@ pub fn serve_on_workers<H: Handler>(
                 handler,
                 options,
                 slots,
+                Some(share),
                 shutdown.cancelled_owned(),
                 grace,
             )
@@ -209,12 +219,38 @@ pub fn serve_on_workers<H: Handler>(
     Ok((workers, async move { served.wait().await }))
 }
 
-/// The accept loop of [`serve_with`] and of each worker.
+/// A connection handed from one worker to another: the socket, taken off
+/// the first worker's reactor, its peer and its place under
+/// `max_connections`.
+type Handoff = (
+    std::net::TcpStream,
+    SocketAddr,
+    Option<OwnedSemaphorePermit>,
+);
+
+/// One worker's part of the spread: its index there and its inbox.
+struct Share {
+    spread: Spread<Handoff>,
+    index: usize,
+    inbox: tokio::sync::mpsc::UnboundedReceiver<(Handoff, Served)>,
+}
+
+/// The next connection handed to this worker; never, off the workers.
+async fn handed(share: &mut Option<Share>) -> Option<(Handoff, Served)> {
+    match share {
+        Some(share) => share.inbox.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The accept loop of [`serve_with`] and of each worker (`share`: the
+/// worker's part of the spread of connections among them).
 async fn accept<H: Handler>(
     listener: TcpListener,
     handler: Arc<H>,
     options: ListenerOptions,
     slots: Option<Arc<Semaphore>>,
+    mut share: Option<Share>,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) {
@@ -231,6 +267,34 @@ async fn accept<H: Handler>(
     let mut refused = Refusals::default();
     let stop = CancellationToken::new();
     let connections = TaskTracker::new();
+    let start = |stream: TcpStream, addr, slot, served| {
+        let connection = Connection {
+            builder: builder.clone(),
+            handler: handler.clone(),
+            stop: stop.clone(),
+            idle_timeout: limits.idle_timeout,
+            addr,
+            _slot: slot,
+            _served: served,
+        };
+        match &options.tls {
+            None => {
+                connections.spawn(connection.sniff(stream, options.header_read_timeout));
+            }
+            Some(acceptor) => {
+                connections.spawn(connection.handshake(
+                    acceptor.clone(),
+                    stream,
+                    options.header_read_timeout,
+                ));
+            }
+        }
+    };
+    // A connection handed over: registered with this worker's reactor.
+    let take = |stream, addr, slot, served| match TcpStream::from_std(stream) {
+        Ok(stream) => start(stream, addr, slot, Some(served)),
+        Err(e) => warn!(error = %e, "a worker could not take a connection handed to it"),
+    };
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -257,31 +321,37 @@ async fn accept<H: Handler>(
                     },
                 };
                 let _ = stream.set_nodelay(true);
-                let connection = Connection {
-                    builder: builder.clone(),
-                    handler: handler.clone(),
-                    stop: stop.clone(),
-                    idle_timeout: limits.idle_timeout,
-                    addr,
-                    _slot: slot,
+                let Some(share) = &share else {
+                    start(stream, addr, slot, None);
+                    continue;
                 };
-                match &options.tls {
-                    None => {
-                        connections.spawn(connection.sniff(stream, options.header_read_timeout));
+                let Some(to) = share.spread.elsewhere(share.index) else {
+                    start(stream, addr, slot, Some(share.spread.here(share.index)));
+                    continue;
+                };
+                // Taken off this worker's reactor, to join the other's.
+                let stream = match stream.into_std() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        warn!(error = %e, "a connection could not be handed to another worker");
+                        continue;
                     }
-                    Some(acceptor) => {
-                        connections.spawn(connection.handshake(
-                            acceptor.clone(),
-                            stream,
-                            options.header_read_timeout,
-                        ));
-                    }
+                };
+                if let Err((stream, addr, slot)) = share.spread.hand(to, (stream, addr, slot)) {
+                    // That worker has stopped taking connections.
+                    take(stream, addr, slot, share.spread.here(share.index));
                 }
+            }
+            Some(((stream, addr, slot), served)) = handed(&mut share) => {
+                take(stream, addr, slot, served);
             }
             () = &mut shutdown => break,
         }
     }
     drop(listener);
+    // Connections handed here and not started yet are closed with it, as
+    // those still in the kernel's accept queue are.
+    drop(share);
     stop.cancel();
     connections.close();
     tokio::select! {
@@ -388,6 +458,8 @@ struct Connection<H> {
     addr: SocketAddr,
     /// Its place under `max_connections`, given back when it ends.
     _slot: Option<OwnedSemaphorePermit>,
+    /// Counted on its worker while it is open (`None` off the workers).
+    _served: Option<Served>,
 }
 
 /// The HTTP version a connection speaks.
@@ -459,6 +531,7 @@ impl<H: Handler> Connection<H> {
             idle_timeout,
             addr,
             _slot,
+            _served,
         } = self;
         let client = ClientInfo::new(addr, proto);
         let activity = Arc::new(Activity::new());
@@ -518,5 +591,77 @@ impl<H: Handler> Connection<H> {
         if let Err(e) = result {
             debug!(error = %e, client = %addr, "connection ended with an error");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read as _, Write as _};
+
+    use super::*;
+    use crate::proxy::full;
+
+    /// Answers with the worker that serves the request.
+    struct WhichWorker;
+
+    impl Handler for WhichWorker {
+        async fn call(self: Arc<Self>, _: Request<Incoming>, _: ClientInfo) -> Response<ProxyBody> {
+            let lane = crate::workers::lane().map_or("none".to_owned(), |l| l.to_string());
+            Response::new(full(lane.into()))
+        }
+    }
+
+    // A client that opens its connections in a burst (a pool warming up)
+    // finds them shared among the workers, whichever worker the kernel
+    // wakes to accept them.
+    #[tokio::test]
+    async fn a_burst_of_connections_is_shared_among_the_workers() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let (workers, served) = serve_on_workers(
+            listener,
+            Arc::new(WhichWorker),
+            ListenerOptions {
+                header_read_timeout: Duration::from_secs(5),
+                tls: None,
+            },
+            shutdown.clone(),
+            Duration::from_secs(1),
+            2,
+        )
+        .unwrap();
+        let lanes = tokio::task::spawn_blocking(move || {
+            // Every connection is open before any request is sent.
+            let mut conns: Vec<_> = (0..32)
+                .map(|_| std::net::TcpStream::connect(addr).unwrap())
+                .collect();
+            conns
+                .iter_mut()
+                .map(|c| {
+                    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                        .unwrap();
+                    let mut answer = String::new();
+                    c.read_to_string(&mut answer).unwrap();
+                    answer.rsplit("\r\n\r\n").next().unwrap().to_owned()
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap();
+        let on = |lane: &str| lanes.iter().filter(|l| *l == lane).count();
+        assert_eq!(on("0") + on("1"), 32, "{lanes:?}");
+        assert!(
+            on("0").abs_diff(on("1")) <= 4,
+            "32 connections at once: {} on worker 0, {} on worker 1",
+            on("0"),
+            on("1")
+        );
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(5), served)
+            .await
+            .expect("the workers drain");
+        workers.release();
     }
 }

@@ -18,11 +18,24 @@
 //! runtime is kept until the whole process has drained, not only its own
 //! listener ([`Workers::release`]): a database connection driven by it may
 //! still carry another worker's completion.
+//!
+//! Since a connection stays on the worker that serves it, the workers must
+//! share the connections, not only the accept queue. Every worker is woken
+//! by a connection arriving and the first one awake takes it; a client that
+//! opens its connections in a burst (a connection pool, a load balancer)
+//! would often find them all, or most, on one thread, whose core then
+//! bounds the throughput while the other waits (seen with 64 connections
+//! on two workers: anything from 64–0 to 32–32 from one burst to the next).
+//! [`Spread`] counts each worker's connections, and one accepted by a
+//! worker that serves two more than the least busy is handed to that one.
 
 use std::cell::Cell;
 use std::future::Future;
 use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 /// The variable that sets the number of workers (tokio's own name for it).
@@ -123,9 +136,162 @@ impl Drop for Workers {
     }
 }
 
+/// The connections each worker serves, and the way to hand one to
+/// another worker. Cheap to clone.
+pub struct Spread<T> {
+    live: Arc<[AtomicUsize]>,
+    inboxes: Arc<[mpsc::UnboundedSender<(T, Served)>]>,
+}
+
+impl<T> Clone for Spread<T> {
+    fn clone(&self) -> Self {
+        Spread {
+            live: self.live.clone(),
+            inboxes: self.inboxes.clone(),
+        }
+    }
+}
+
+/// One connection counted on a worker, until it is dropped.
+pub struct Served {
+    live: Arc<[AtomicUsize]>,
+    worker: usize,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.live[self.worker].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl<T> Spread<T> {
+    /// A spread over `count` workers, and each worker's inbox, by index.
+    pub fn new(count: usize) -> (Self, Vec<mpsc::UnboundedReceiver<(T, Served)>>) {
+        let (senders, receivers): (Vec<_>, Vec<_>) =
+            (0..count.max(1)).map(|_| mpsc::unbounded_channel()).unzip();
+        let live = (0..count.max(1)).map(|_| AtomicUsize::new(0)).collect();
+        let spread = Spread {
+            live,
+            inboxes: senders.into(),
+        };
+        (spread, receivers)
+    }
+
+    /// Where a connection just accepted by worker `me` should go: `None`,
+    /// stay (counted with [`Spread::here`]), unless `me` serves two or
+    /// more connections more than the least busy worker, which is then
+    /// named. Within two a connection is never moved (the hand-off costs
+    /// two `epoll_ctl`s and a wake-up of another thread), so short-lived
+    /// connections nearly always stay where they arrive.
+    pub fn elsewhere(&self, me: usize) -> Option<usize> {
+        let mine = self.live[me].load(Ordering::Relaxed);
+        let (least, fewest) = self
+            .live
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (i, n.load(Ordering::Relaxed)))
+            .min_by_key(|&(_, n)| n)?;
+        (mine >= fewest + 2).then_some(least)
+    }
+
+    /// Counts a connection on worker `me`, which serves it.
+    pub fn here(&self, me: usize) -> Served {
+        self.count(me)
+    }
+
+    /// Hands `conn` to worker `to`, counted there; given back when that
+    /// worker has stopped taking connections (its inbox is closed).
+    pub fn hand(&self, to: usize, conn: T) -> Result<(), T> {
+        self.inboxes[to].send((conn, self.count(to))).map_err(
+            |mpsc::error::SendError((conn, counted))| {
+                drop(counted);
+                conn
+            },
+        )
+    }
+
+    fn count(&self, worker: usize) -> Served {
+        self.live[worker].fetch_add(1, Ordering::Relaxed);
+        Served {
+            live: self.live.clone(),
+            worker,
+        }
+    }
+
+    /// Connections each worker serves now (or has been handed).
+    pub fn live(&self) -> Vec<usize> {
+        self.live
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Worker `me` accepts `conn` and does what the server does with it.
+    fn accept(spread: &Spread<u32>, me: usize, conn: u32, open: &mut Vec<Served>) -> bool {
+        match spread.elsewhere(me) {
+            None => {
+                open.push(spread.here(me));
+                false
+            }
+            Some(to) => match spread.hand(to, conn) {
+                Ok(()) => true,
+                Err(_) => {
+                    open.push(spread.here(me));
+                    false
+                }
+            },
+        }
+    }
+
+    #[test]
+    fn a_burst_accepted_by_one_worker_is_shared_within_two() {
+        let (spread, mut inboxes) = Spread::<u32>::new(2);
+        let mut here = Vec::new();
+        for conn in 0..64 {
+            accept(&spread, 0, conn, &mut here);
+        }
+        let handed: Vec<_> = std::iter::from_fn(|| inboxes[1].try_recv().ok()).collect();
+        assert_eq!(here.len() + handed.len(), 64);
+        assert!(
+            here.len().abs_diff(handed.len()) <= 2,
+            "{} here, {} handed",
+            here.len(),
+            handed.len()
+        );
+        assert_eq!(spread.live(), vec![here.len(), handed.len()]);
+        // Closing connections gives their places back.
+        drop(here);
+        drop(handed);
+        assert_eq!(spread.live(), vec![0, 0]);
+    }
+
+    #[test]
+    fn short_lived_connections_stay_where_they_arrive() {
+        let (spread, mut inboxes) = Spread::<u32>::new(2);
+        for conn in 0..100 {
+            // One open at a time on each worker, never two more than the
+            // other.
+            let mut open = Vec::new();
+            assert!(!accept(&spread, conn as usize % 2, conn, &mut open));
+        }
+        assert!(inboxes[0].try_recv().is_err() && inboxes[1].try_recv().is_err());
+        assert_eq!(spread.live(), vec![0, 0]);
+    }
+
+    #[test]
+    fn a_worker_that_stopped_taking_connections_is_handed_none() {
+        let (spread, mut inboxes) = Spread::<u32>::new(2);
+        inboxes.pop(); // worker 1 has stopped
+        let mut open = Vec::new();
+        let moved: Vec<_> = (0..4).map(|c| accept(&spread, 0, c, &mut open)).collect();
+        assert_eq!(moved, [false; 4]);
+        assert_eq!(spread.live(), vec![4, 0]);
+    }
 
     #[test]
     fn each_worker_knows_its_lane_and_stays_until_released() {
