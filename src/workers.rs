@@ -4,12 +4,12 @@
 //!
 //! A request on a worker stays on that thread: its connection, the task
 //! that owns its claim, and the upstream connection it is forwarded on
-//! (each worker has its own upstream pool and its own share of the database
-//! pool, both found through [`lane`]). Handing
+//! (each worker has its own upstream pool, its own share of the database
+//! pool and its own group commit, all found through [`lane`]). Handing
 //! a request from one task to another then costs a local queue push rather
 //! than waking a thread on another core, and nothing is stolen between
-//! threads. The process's other work (admin endpoints, renewals, group
-//! commit, the sweeper, reloads) runs on the main runtime.
+//! threads. The process's other work (admin endpoints, renewals, the
+//! sweeper, reloads) runs on the main runtime.
 //!
 //! Everything the workers run is `Send`, so tasks and connections may still
 //! cross threads (a worker whose database share is busy borrows another

@@ -586,9 +586,9 @@ async fn concurrent_new_keys_are_grouped_into_shared_commits_and_each_executes_o
     );
 }
 
-// The pool is split among the threads (the main one's batch workers, and
-// each worker's share; store::pools): the harness's pool of 8 on two
-// workers is 5 + 2 + 1. A burst of new keys and their duplicates on
+// The pool is split among the threads (the main one's two, and each
+// worker's share, where its batches run; store::pools): the harness's pool
+// of 8 on two workers is 2 + 3 + 3. A burst of new keys and their duplicates on
 // connections spread over both workers all get their answers (a worker
 // whose share is busy borrows or waits, never fails), each key executes
 // once, and the database never sees more than `pool_size` pooled

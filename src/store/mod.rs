@@ -232,7 +232,7 @@ impl Store {
             config.prepared_statements,
         )?;
         let flavor = Arc::new(Flavor::default());
-        let batch = records::Batchers::start(&pools, config, &flavor);
+        let batch = records::Batchers::start(&pools, config, &flavor, lanes);
         Ok(Store {
             pools,
             batch,

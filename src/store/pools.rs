@@ -12,11 +12,11 @@
 //! commits.
 //!
 //! So the store keeps a pool per lane, like the upstream client: lane 0
-//! for the threads that are no worker (the main runtime: batches of the
-//! group commit, renewals, the sweeper, admin), lane `n + 1` for worker
-//! `n`. `store.pool_size` stays the limit for the whole process: lane 0
-//! keeps one connection per group-commit worker and one more (renewals
-//! must find one), and the workers share the rest ([`split`]). Checkouts
+//! for the threads that are no worker (the main runtime: renewals, the
+//! sweeper, admin), lane `n + 1` for worker `n` (its requests and its
+//! group-commit batches). `store.pool_size` stays the limit for the whole
+//! process: lane 0 keeps two connections (renewals must find one), and the
+//! workers share the rest ([`split`]). Checkouts
 //! are work-conserving:
 //!
 //! 1. the caller's own lane, without waiting: an idle connection, or room
@@ -58,20 +58,25 @@ pub(crate) struct Pools {
 }
 
 /// How `pool_size` connections are split among `lanes`: lane 0 (the main
-/// runtime) keeps one per group-commit worker and one more, for renewals
-/// and the rest of its work; the workers share the remainder evenly. One
-/// pool for all when that would leave a worker none.
+/// runtime) keeps [`MAIN_LANE`], for renewals and the rest of its work
+/// (the group commit runs on the workers' lanes, see `records`); the
+/// workers share the remainder evenly. One pool for all when that would
+/// leave a worker none.
 pub(crate) fn split(pool_size: usize, lanes: usize) -> Vec<usize> {
     let workers = lanes.saturating_sub(1);
-    let main = 2 * super::records::batch_workers(pool_size) + 1;
-    if workers == 0 || pool_size < main + workers {
+    if workers == 0 || pool_size < MAIN_LANE + workers {
         return vec![pool_size];
     }
-    let rest = pool_size - main;
-    std::iter::once(main)
+    let rest = pool_size - MAIN_LANE;
+    std::iter::once(MAIN_LANE)
         .chain((0..workers).map(|i| rest / workers + usize::from(i < rest % workers)))
         .collect()
 }
+
+/// Lane 0's connections when the workers have lanes of their own: one
+/// that renewals always find, and one for the sweeper, the operators'
+/// statements and the main lane's own batches.
+const MAIN_LANE: usize = 2;
 
 impl Pools {
     /// Builds the pools (connecting lazily) for `pool_size` connections in
@@ -181,7 +186,7 @@ impl Pools {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::{split, Pools};
+    use super::{split, Pools, MAIN_LANE};
     use crate::config::{OnStoreError, Secret, StoreConfig};
     use crate::store::conn::{Conn, Manager, Sql};
     use crate::workers::set_lane;
@@ -217,12 +222,12 @@ mod tests {
 
     // Work-conserving: a worker whose own share is busy and finds nothing
     // idle does not wait for its own share alone. 8 over two workers is
-    // 5 (main) + 2 (worker 0) + 1 (worker 1).
+    // 2 (main) + 3 (worker 0) + 3 (worker 1).
     #[tokio::test]
     async fn a_thread_whose_share_is_busy_takes_the_first_connection_given_back_to_a_full_one() {
         let pools = pools(8, 3, Duration::from_secs(5));
         let mut held = Vec::new();
-        for (lane, n) in [(Some(1), 1), (Some(0), 2), (None, 5)] {
+        for (lane, n) in [(Some(1), 3), (Some(0), 3), (None, 2)] {
             set_lane(lane);
             for _ in 0..n {
                 held.push(pools.checkout().await.unwrap());
@@ -253,7 +258,7 @@ mod tests {
     async fn a_checkout_with_nothing_given_back_times_out_after_the_store_timeout() {
         let pools = pools(8, 3, Duration::from_millis(300));
         let mut held = Vec::new();
-        for (lane, n) in [(Some(1), 1), (Some(0), 2), (None, 5)] {
+        for (lane, n) in [(Some(1), 3), (Some(0), 3), (None, 2)] {
             set_lane(lane);
             for _ in 0..n {
                 held.push(pools.checkout().await.unwrap());
@@ -306,19 +311,23 @@ mod tests {
 
     #[test]
     fn the_pool_size_is_split_among_the_lanes_and_never_exceeded() {
-        // The shipped pool on two workers: 4 + 4 batch workers and one.
-        assert_eq!(split(16, 3), [9, 4, 3]);
-        assert_eq!(split(8, 3), [5, 2, 1]);
+        // The shipped pool on two workers: the batches run on theirs.
+        assert_eq!(split(16, 3), [2, 7, 7]);
+        assert_eq!(split(8, 3), [2, 3, 3]);
         assert_eq!(split(16, 1), [16]);
         for size in 3..64 {
             for lanes in 1..10 {
                 let s = split(size, lanes);
                 assert_eq!(s.iter().sum::<usize>(), size, "{size} over {lanes}");
                 assert!(s.iter().all(|&n| n > 0), "{size} over {lanes}: {s:?}");
-                assert!(
-                    s[0] > 2 * (size / 4).max(1),
-                    "{size} over {lanes}: the main lane holds its batch workers and one more"
-                );
+                if s.len() > 1 {
+                    assert_eq!(s[0], MAIN_LANE, "{size} over {lanes}");
+                    let (least, most) = (s[1..].iter().min(), s[1..].iter().max());
+                    assert!(
+                        most.zip(least).is_some_and(|(m, l)| m - l <= 1),
+                        "{size} over {lanes}: the workers share evenly: {s:?}"
+                    );
+                }
             }
         }
     }
@@ -326,8 +335,8 @@ mod tests {
     #[test]
     fn a_pool_too_small_to_leave_each_worker_one_is_shared() {
         assert_eq!(split(3, 3), [3]);
-        assert_eq!(split(4, 3), [4]);
-        assert_eq!(split(7, 3), [3, 2, 2]);
-        assert_eq!(split(16, 9), [16]);
+        assert_eq!(split(4, 3), [2, 1, 1]);
+        assert_eq!(split(9, 9), [9]);
+        assert_eq!(split(10, 9), [2, 1, 1, 1, 1, 1, 1, 1, 1]);
     }
 }

@@ -55,7 +55,7 @@ impl Store {
                     retention_ms: millis(retention),
                 };
                 let out = match &self.batch {
-                    Some(b) => b.claims.submit(item).await?,
+                    Some(b) => b.claim(item).await?,
                     None => {
                         let conn = self.conn().await?;
                         let citus = self.citus(&conn).await?;
@@ -151,7 +151,7 @@ impl Store {
                 notify: notify.map(str::to_owned),
             };
             match &self.batch {
-                Some(b) => b.completions.submit(item).await,
+                Some(b) => b.complete(item).await,
                 None => {
                     let conn = self.conn().await?;
                     let citus = self.citus(&conn).await?;
@@ -262,34 +262,47 @@ impl Store {
     }
 }
 
-/// The batchers of one store (one set per process).
+/// The batchers of one store: a set per lane, each run on its lane's own
+/// thread.
+///
+/// A request on a worker thread ([`crate::workers`]) submits its claim and
+/// its completion to its own lane's set, whose tasks run on that worker's
+/// runtime and check out of that lane's pool: a batch is formed, sent and
+/// answered without leaving the thread. With one set for the process (on
+/// the main runtime), each queued item woke the main thread and each answer
+/// woke the worker back, a system call and a context switch per statement
+/// at full load. The price is company: a lane batches only its own
+/// requests.
 pub(super) struct Batchers {
+    /// For the threads that are no worker (and a store of one lane).
+    main: LaneBatchers,
+    /// Worker `n`'s set, started on its thread at its first claim.
+    workers: Box<[std::sync::OnceLock<LaneBatchers>]>,
+    /// Group-commit workers of each kind in a worker's set.
+    per_worker: usize,
+    pools: Pools,
+    flavor: Arc<Flavor>,
+    timeout: Duration,
+}
+
+/// One lane's batchers.
+struct LaneBatchers {
     claims: Batcher<ClaimItem, Option<ClaimResult>>,
     completions: Batcher<CompleteItem, Option<SystemTime>>,
 }
 
-impl Batchers {
-    /// Starts the workers: a quarter of the pool each for claims and for
-    /// completions (at least one each), so reads, renewals and takeovers
-    /// keep connections (`pool_size` ≥ 3 leaves them one at least). Each
-    /// batch is bounded by `store.timeout` like any statement: a worker stuck
-    /// on a frozen primary gives up, and its connection is closed. `None`
-    /// outside a tokio runtime (then every statement goes alone).
+impl LaneBatchers {
+    /// Starts `workers` tasks of each kind on the current runtime. Each
+    /// batch is bounded by `timeout` like any statement: a worker stuck on
+    /// a frozen primary gives up, and its connection is closed.
     ///
     /// A batch's statement future (checkout, Citus probe and statement,
     /// inline) is boxed where it is made: unboxed, the timeout, its `map`
     /// and the batcher's own box would each move all of it again.
-    pub(super) fn start(
-        pools: &Pools,
-        config: &StoreConfig,
-        flavor: &Arc<Flavor>,
-    ) -> Option<Arc<Batchers>> {
-        tokio::runtime::Handle::try_current().ok()?;
-        let workers = batch_workers(config.pool_size);
-        let timeout = config.timeout;
+    fn start(workers: usize, pools: &Pools, flavor: &Arc<Flavor>, timeout: Duration) -> Self {
         let (p1, p2) = (pools.clone(), pools.clone());
         let (f1, f2) = (flavor.clone(), flavor.clone());
-        Some(Arc::new(Batchers {
+        LaneBatchers {
             claims: Batcher::start(workers, MAX_BATCH, move |items| {
                 let (pools, flavor) = (p1.clone(), f1.clone());
                 bounded(
@@ -312,26 +325,74 @@ impl Batchers {
                     }),
                 )
             }),
+        }
+    }
+}
+
+impl Batchers {
+    /// Starts the main lane's set now, on the current runtime, and leaves
+    /// each of the `lanes - 1` workers' sets to its first use. The main
+    /// set has a quarter of the pool each for claims and for completions
+    /// (at least one each); the workers share that number, at least one
+    /// each, so the process runs no more batches at once than with one
+    /// set, and reads, renewals and takeovers keep connections. `None`
+    /// outside a tokio runtime (then every statement goes alone).
+    pub(super) fn start(
+        pools: &Pools,
+        config: &StoreConfig,
+        flavor: &Arc<Flavor>,
+        lanes: usize,
+    ) -> Option<Arc<Batchers>> {
+        tokio::runtime::Handle::try_current().ok()?;
+        let workers = batch_workers(config.pool_size);
+        let worker_lanes = lanes.saturating_sub(1);
+        Some(Arc::new(Batchers {
+            main: LaneBatchers::start(workers, pools, flavor, config.timeout),
+            workers: (0..worker_lanes).map(|_| Default::default()).collect(),
+            per_worker: workers.div_ceil(worker_lanes.max(1)),
+            pools: pools.clone(),
+            flavor: flavor.clone(),
+            timeout: config.timeout,
         }))
     }
 
-    /// (op, statements sent, items carried, largest batch).
+    /// The calling thread's set: its worker's, started here (on that
+    /// worker's runtime) the first time, else the main one.
+    fn own(&self) -> &LaneBatchers {
+        match crate::workers::lane().and_then(|n| self.workers.get(n)) {
+            Some(lane) => lane.get_or_init(|| {
+                LaneBatchers::start(self.per_worker, &self.pools, &self.flavor, self.timeout)
+            }),
+            None => &self.main,
+        }
+    }
+
+    async fn claim(&self, item: ClaimItem) -> Result<Option<ClaimResult>, StoreError> {
+        self.own().claims.submit(item).await
+    }
+
+    async fn complete(&self, item: CompleteItem) -> Result<Option<SystemTime>, StoreError> {
+        self.own().completions.submit(item).await
+    }
+
+    /// (op, statements sent, items carried, largest batch), over every
+    /// lane.
     pub(super) fn stats(&self) -> Vec<(&'static str, u64, u64, u64)> {
         use std::sync::atomic::Ordering::Relaxed;
-        [
-            ("claim", self.claims.stats()),
-            ("complete", self.completions.stats()),
-        ]
-        .into_iter()
-        .map(|(op, s)| {
-            (
-                op,
-                s.batches.load(Relaxed),
-                s.items.load(Relaxed),
-                s.largest.load(Relaxed),
-            )
-        })
-        .collect()
+        let sets =
+            || std::iter::once(&self.main).chain(self.workers.iter().filter_map(|w| w.get()));
+        let sum = |stats: &mut dyn Iterator<Item = &super::group_commit::BatchStats>| {
+            stats.fold((0, 0, 0), |(b, i, l), s| {
+                (
+                    b + s.batches.load(Relaxed),
+                    i + s.items.load(Relaxed),
+                    l.max(s.largest.load(Relaxed)),
+                )
+            })
+        };
+        let (cb, ci, cl) = sum(&mut sets().map(|s| s.claims.stats()));
+        let (db, di, dl) = sum(&mut sets().map(|s| s.completions.stats()));
+        vec![("claim", cb, ci, cl), ("complete", db, di, dl)]
     }
 }
 
@@ -627,3 +688,6 @@ fn claim_result(row: &Row) -> Result<ClaimResult, StoreError> {
         now: row.get("now"),
     }))
 }
+
+#[cfg(test)]
+mod tests;
