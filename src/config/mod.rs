@@ -155,6 +155,25 @@ pub struct StoreConfig {
     pub listen_url: Option<Secret>,
 }
 
+#[cfg(test)]
+impl StoreConfig {
+    /// A store on `url` with `pool_size` connections and `timeout`, the
+    /// response cache off and no TLS, for the unit tests of the store.
+    pub(crate) fn for_test(url: &str, pool_size: usize, timeout: Duration) -> Self {
+        StoreConfig {
+            database_url: Secret::new(url.to_owned()),
+            pool_size,
+            timeout,
+            on_store_error: OnStoreError::Reject,
+            ca_file: None,
+            response_cache: 0,
+            response_cache_ttl: Duration::from_secs(1),
+            prepared_statements: false,
+            listen_url: None,
+        }
+    }
+}
+
 /// `[sweeper]`: deletion of records past their retention.
 #[derive(Debug, Clone)]
 pub struct SweeperConfig {

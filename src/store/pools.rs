@@ -187,7 +187,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{split, Pools, MAIN_LANE};
-    use crate::config::{OnStoreError, Secret, StoreConfig};
+    use crate::config::StoreConfig;
     use crate::store::conn::{Conn, Manager, Sql};
     use crate::workers::set_lane;
 
@@ -196,17 +196,7 @@ mod tests {
     fn pools(pool_size: usize, lanes: usize, timeout: Duration) -> Pools {
         let url = std::env::var("IDEMPROXY_TEST_DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-        let config = StoreConfig {
-            database_url: Secret::new(url.clone()),
-            pool_size,
-            timeout,
-            on_store_error: OnStoreError::Reject,
-            ca_file: None,
-            response_cache: 0,
-            response_cache_ttl: Duration::from_secs(1),
-            prepared_statements: false,
-            listen_url: None,
-        };
+        let config = StoreConfig::for_test(&url, pool_size, timeout);
         let connector = crate::store::connector(&url, &config).unwrap();
         Pools::new(
             || Manager {

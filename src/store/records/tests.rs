@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use super::super::{ClaimResult, Store, StoredResponse};
-use crate::config::{OnStoreError, Secret, StoreConfig};
+use crate::config::StoreConfig;
 use crate::idempotency::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, TenantId};
 use crate::workers::set_lane;
 
@@ -43,17 +43,7 @@ impl FreshDb {
     }
 
     fn config(&self, pool_size: usize) -> StoreConfig {
-        StoreConfig {
-            database_url: Secret::new(self.url.clone()),
-            pool_size,
-            timeout: Duration::from_secs(5),
-            on_store_error: OnStoreError::Reject,
-            ca_file: None,
-            response_cache: 0,
-            response_cache_ttl: Duration::from_secs(1),
-            prepared_statements: false,
-            listen_url: None,
-        }
+        StoreConfig::for_test(&self.url, pool_size, Duration::from_secs(5))
     }
 
     async fn drop(self, store: Store) {
