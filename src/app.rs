@@ -438,7 +438,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
         parts,
     };
     let drain = lifecycle.drain_token();
-    let (workers, served) = server::serve_on_workers(
+    let (workers, load, served) = server::serve_on_workers(
         proxy_listener,
         live,
         server::ListenerOptions {
@@ -452,6 +452,7 @@ pub async fn start(config: Config, options: ServeOptions) -> anyhow::Result<Runn
     .inspect_err(|_| drain.cancel())
     .context("starting the proxy's worker threads")?;
     let proxy_task = tokio::spawn(served);
+    metrics.set_worker_load(load);
     let admin = Arc::new(Admin::new(
         health,
         metrics.clone(),

@@ -47,7 +47,7 @@ use tracing::{debug, error, warn};
 
 use crate::proxy::{ClientInfo, Proxy, ProxyBody};
 use crate::timer::HyperTimer;
-use crate::workers::{Served, Spread, Workers};
+use crate::workers::{Load, Served, Spread, Workers};
 
 /// A handler for one request, given the peer.
 pub trait Handler: Send + Sync + 'static {
@@ -150,7 +150,8 @@ fn slots_for(limits: &ConnectionLimits) -> Option<Arc<Semaphore>> {
 /// it accepted or was handed ([`Spread`]), until `shutdown` is cancelled;
 /// then each drains as [`serve_with`] does. `max_connections` bounds them
 /// together. The returned future resolves when every worker has drained
-/// its listener; the [`Workers`] keep their runtimes until released.
+/// its listener; the [`Workers`] keep their runtimes until released. The
+/// [`Load`] reads how many connections each worker serves.
 pub fn serve_on_workers<H: Handler>(
     listener: TcpListener,
     handler: Arc<H>,
@@ -158,7 +159,7 @@ pub fn serve_on_workers<H: Handler>(
     shutdown: CancellationToken,
     grace: Duration,
     count: usize,
-) -> std::io::Result<(Workers, impl Future<Output = ()> + Send + 'static)> {
+) -> std::io::Result<(Workers, Load, impl Future<Output = ()> + Send + 'static)> {
     // One descriptor per worker, each registered with its own runtime:
     // every worker waits on the same accept queue and the first free one
     // takes the connection, then hands it to another worker when it serves
@@ -167,6 +168,7 @@ pub fn serve_on_workers<H: Handler>(
     let served = TaskTracker::new();
     let listener = listener.into_std()?;
     let (spread, inboxes) = Spread::new(count);
+    let load = spread.load();
     let mut each = Vec::new();
     for (index, inbox) in inboxes.into_iter().enumerate() {
         // The token counts the worker as serving until its loop has ended.
@@ -175,18 +177,21 @@ pub fn serve_on_workers<H: Handler>(
             index,
             inbox,
         };
-        each.push((listener.try_clone()?, served.token(), share));
+        each.push(Some((listener.try_clone()?, served.token(), share)));
     }
     drop(spread);
     drop(listener);
     served.close();
     let each = std::sync::Mutex::new(each);
     let slots = slots_for(&handler.limits());
-    let workers = Workers::start(count, move |_lane| {
+    let workers = Workers::start(count, move |lane| {
+        // Worker `lane` takes share `lane`: the spread's counts (and
+        // `idemproxy_worker_connections`) are by the workers' own numbers.
         let taken = each
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop();
+            .get_mut(lane)
+            .and_then(Option::take);
         let (handler, options, slots, shutdown) = (
             handler.clone(),
             options.clone(),
@@ -216,7 +221,7 @@ pub fn serve_on_workers<H: Handler>(
             .await;
         }
     })?;
-    Ok((workers, async move { served.wait().await }))
+    Ok((workers, load, async move { served.wait().await }))
 }
 
 /// A connection handed from one worker to another: the socket, taken off
@@ -611,15 +616,28 @@ mod tests {
         }
     }
 
+    /// Waits up to 5 s for `load` to count `total` connections in all.
+    async fn counted(load: &Load, total: usize) -> Vec<usize> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let now = load.connections();
+            if now.iter().sum::<usize>() == total || tokio::time::Instant::now() > deadline {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     // A client that opens its connections in a burst (a pool warming up)
     // finds them shared among the workers, whichever worker the kernel
-    // wakes to accept them.
+    // wakes to accept them; the load (`idemproxy_worker_connections`)
+    // counts them where they are served, and no more once they close.
     #[tokio::test]
     async fn a_burst_of_connections_is_shared_among_the_workers() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
-        let (workers, served) = serve_on_workers(
+        let (workers, load, served) = serve_on_workers(
             listener,
             Arc::new(WhichWorker),
             ListenerOptions {
@@ -631,11 +649,16 @@ mod tests {
             2,
         )
         .unwrap();
-        let lanes = tokio::task::spawn_blocking(move || {
-            // Every connection is open before any request is sent.
-            let mut conns: Vec<_> = (0..32)
+        // Every connection is open before any request is sent.
+        let mut conns: Vec<_> = tokio::task::spawn_blocking(move || {
+            (0..32)
                 .map(|_| std::net::TcpStream::connect(addr).unwrap())
-                .collect();
+                .collect()
+        })
+        .await
+        .unwrap();
+        let open = counted(&load, 32).await;
+        let lanes = tokio::task::spawn_blocking(move || {
             conns
                 .iter_mut()
                 .map(|c| {
@@ -652,6 +675,8 @@ mod tests {
         .unwrap();
         let on = |lane: &str| lanes.iter().filter(|l| *l == lane).count();
         assert_eq!(on("0") + on("1"), 32, "{lanes:?}");
+        assert_eq!(open, [on("0"), on("1")], "counted where they were served");
+        assert_eq!(counted(&load, 0).await, [0, 0], "closed, no longer counted");
         assert!(
             on("0").abs_diff(on("1")) <= 4,
             "32 connections at once: {} on worker 0, {} on worker 1",

@@ -220,10 +220,30 @@ impl<T> Spread<T> {
 
     /// Connections each worker serves now (or has been handed).
     pub fn live(&self) -> Vec<usize> {
-        self.live
-            .iter()
-            .map(|n| n.load(Ordering::Relaxed))
-            .collect()
+        self.load().connections()
+    }
+
+    /// The counts, to read from elsewhere (the metrics).
+    pub fn load(&self) -> Load {
+        Load(self.live.clone())
+    }
+}
+
+/// The connections each worker serves, as [`Spread`] counts them, read
+/// without a lock (`idemproxy_worker_connections`). Cheap to clone.
+#[derive(Clone)]
+pub struct Load(Arc<[AtomicUsize]>);
+
+impl Load {
+    /// Connections each worker serves now (or has been handed), by worker.
+    pub fn connections(&self) -> Vec<usize> {
+        self.0.iter().map(|n| n.load(Ordering::Relaxed)).collect()
+    }
+}
+
+impl std::fmt::Debug for Load {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Load").field(&self.connections()).finish()
     }
 }
 

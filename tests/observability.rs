@@ -218,6 +218,11 @@ async fn metrics_show_the_request_histogram_past_the_timeout_build_info_and_only
     );
     assert!(text.contains("idemproxy_cache_misses_total "), "{text}");
     assert!(text.contains("idemproxy_waiters 0"), "{text}");
+    // Each worker thread's connections, worker 0 on every machine.
+    assert!(
+        text.contains(r#"idemproxy_worker_connections{worker="0"} "#),
+        "{text}"
+    );
 
     // Every family the binary shows is in docs/operations.md's table.
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))

@@ -119,6 +119,11 @@ struct DurationLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabels {
+    worker: usize,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabels {
     op: &'static str,
 }
@@ -213,6 +218,9 @@ pub struct Metrics {
     cache_bytes: Gauge,
     cache_entries: Gauge,
     waiters: Gauge,
+    worker_connections: Family<WorkerLabels, Gauge>,
+    /// The workers' connection counts, read at each scrape.
+    worker_load: OnceLock<crate::workers::Load>,
     sampler: Mutex<Option<Sampler>>,
     config_reloads: Family<ResultLabels, Counter>,
 }
@@ -379,6 +387,12 @@ impl Metrics {
             "Duplicates waiting now for their original to finish (route setting wait)",
             waiters.clone(),
         );
+        let worker_connections = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_connections",
+            "Client connections each worker thread serves now",
+            worker_connections.clone(),
+        );
         // Constant 1: its labels say which release (and commit) a replica
         // runs, so a rolling upgrade's mix of versions shows on a dashboard.
         let build_info = Family::<BuildLabels, Gauge>::default();
@@ -422,6 +436,8 @@ impl Metrics {
             cache_bytes,
             cache_entries,
             waiters,
+            worker_connections,
+            worker_load: OnceLock::new(),
             sampler: Mutex::new(None),
         }
     }
@@ -597,10 +613,28 @@ impl Metrics {
         *self.sampler.lock().unwrap_or_else(PoisonError::into_inner) = Some(sampler);
     }
 
+    /// Reads the worker threads' connection counts at each scrape (the
+    /// first call counts: one proxy listener per process).
+    pub fn set_worker_load(&self, load: crate::workers::Load) {
+        let _ = self.worker_load.set(load);
+    }
+
+    /// Sets each worker's connection count.
+    pub fn worker_connections(&self, counts: &[usize]) {
+        for (worker, &n) in counts.iter().enumerate() {
+            self.worker_connections
+                .get_or_create(&WorkerLabels { worker })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         if let Some(sample) = &*self.sampler.lock().unwrap_or_else(PoisonError::into_inner) {
             sample(self);
+        }
+        if let Some(load) = self.worker_load.get() {
+            self.worker_connections(&load.connections());
         }
         let mut out = String::new();
         // Writing to a String cannot fail.

@@ -174,6 +174,7 @@ fn every_family_is_documented_and_every_documented_family_exists() {
     m.store("claim", Duration::from_millis(1));
     m.renewal("ok");
     m.batching("claim", 1, 1, 1);
+    m.worker_connections(&[1, 0]);
     let text = m.render();
     let mut exposed: Vec<(String, String)> = text
         .lines()
