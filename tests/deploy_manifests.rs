@@ -580,6 +580,7 @@ fn grafana_dashboard_queries_only_metrics_the_proxy_exposes() {
     m.takeover();
     m.swept(1);
     m.pool(1, 1, 0);
+    m.worker_connections(&[1, 0]);
     let exposed = m.render();
     let mut queried = Vec::new();
     for panel in dashboard["panels"].as_array().unwrap() {
