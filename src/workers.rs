@@ -218,11 +218,6 @@ impl<T> Spread<T> {
         }
     }
 
-    /// Connections each worker serves now (or has been handed).
-    pub fn live(&self) -> Vec<usize> {
-        self.load().connections()
-    }
-
     /// The counts, to read from elsewhere (the metrics).
     pub fn load(&self) -> Load {
         Load(self.live.clone())
@@ -238,12 +233,6 @@ impl Load {
     /// Connections each worker serves now (or has been handed), by worker.
     pub fn connections(&self) -> Vec<usize> {
         self.0.iter().map(|n| n.load(Ordering::Relaxed)).collect()
-    }
-}
-
-impl std::fmt::Debug for Load {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("Load").field(&self.connections()).finish()
     }
 }
 
@@ -283,11 +272,11 @@ mod tests {
             here.len(),
             handed.len()
         );
-        assert_eq!(spread.live(), vec![here.len(), handed.len()]);
+        assert_eq!(spread.load().connections(), vec![here.len(), handed.len()]);
         // Closing connections gives their places back.
         drop(here);
         drop(handed);
-        assert_eq!(spread.live(), vec![0, 0]);
+        assert_eq!(spread.load().connections(), vec![0, 0]);
     }
 
     #[test]
@@ -300,7 +289,7 @@ mod tests {
             assert!(!accept(&spread, conn as usize % 2, conn, &mut open));
         }
         assert!(inboxes[0].try_recv().is_err() && inboxes[1].try_recv().is_err());
-        assert_eq!(spread.live(), vec![0, 0]);
+        assert_eq!(spread.load().connections(), vec![0, 0]);
     }
 
     #[test]
@@ -310,7 +299,7 @@ mod tests {
         let mut open = Vec::new();
         let moved: Vec<_> = (0..4).map(|c| accept(&spread, 0, c, &mut open)).collect();
         assert_eq!(moved, [false; 4]);
-        assert_eq!(spread.live(), vec![4, 0]);
+        assert_eq!(spread.load().connections(), vec![4, 0]);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use tokio_postgres::Row;
 
 use super::conn::Conn;
-use super::group_commit::Batcher;
+use super::group_commit::{BatchStats, Batcher};
 use super::pools::Pools;
 use super::{
     bounded, millis, sql, Claim, ClaimResult, Existing, Flavor, Replace, Store, StoreError,
@@ -378,22 +378,28 @@ impl Batchers {
     /// (op, statements sent, items carried, largest batch), over every
     /// lane.
     pub(super) fn stats(&self) -> Vec<(&'static str, u64, u64, u64)> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let sets =
-            || std::iter::once(&self.main).chain(self.workers.iter().filter_map(|w| w.get()));
-        let sum = |stats: &mut dyn Iterator<Item = &super::group_commit::BatchStats>| {
-            stats.fold((0, 0, 0), |(b, i, l), s| {
-                (
-                    b + s.batches.load(Relaxed),
-                    i + s.items.load(Relaxed),
-                    l.max(s.largest.load(Relaxed)),
-                )
-            })
-        };
-        let (cb, ci, cl) = sum(&mut sets().map(|s| s.claims.stats()));
-        let (db, di, dl) = sum(&mut sets().map(|s| s.completions.stats()));
-        vec![("claim", cb, ci, cl), ("complete", db, di, dl)]
+        let sets: Vec<&LaneBatchers> = std::iter::once(&self.main)
+            .chain(self.workers.iter().filter_map(|w| w.get()))
+            .collect();
+        let claims = totals(sets.iter().map(|s| s.claims.stats()));
+        let completions = totals(sets.iter().map(|s| s.completions.stats()));
+        vec![
+            ("claim", claims.0, claims.1, claims.2),
+            ("complete", completions.0, completions.1, completions.2),
+        ]
     }
+}
+
+/// Statements, items and the largest batch over several batchers' counters.
+fn totals<'a>(stats: impl Iterator<Item = &'a BatchStats>) -> (u64, u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    stats.fold((0, 0, 0), |(batches, items, largest), s| {
+        (
+            batches + s.batches.load(Relaxed),
+            items + s.items.load(Relaxed),
+            largest.max(s.largest.load(Relaxed)),
+        )
+    })
 }
 
 /// Group-commit workers of each kind (claims, completions) for a pool of
