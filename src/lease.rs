@@ -24,7 +24,13 @@
 //! 422 for another fingerprint), as the database would answer it, without a
 //! round trip. A lost lease, a lease past that point (renewals failing), or
 //! a claim no longer renewed (outcome unknown, left to expire) is not held
-//! here: such duplicates read the record as before. The reasoning trusts
+//! here: such duplicates read the record as before. If the database then
+//! finds the lease expired while the claim is still renewed here (renewals
+//! that could not land while the database stalled), a duplicate here does
+//! not take it over ([`Renewer::running_here`]): its owner is alive, and a
+//! takeover would forward the request a second time while the first is in
+//! flight. It gets `409` (or waits, on a route with `wait`) until the
+//! original's response is stored or a renewal finds the lease lost. The reasoning trusts
 //! this process's monotonic clock, as the lease check before forwarding
 //! does; where it stood still while the database's ran on (a suspended
 //! VM), the worst a duplicate gets from here is a `409` where the database
@@ -73,8 +79,10 @@ impl Entry {
 }
 
 /// The claims held, and which of them holds each key. (A key is held twice
-/// only when this process took over its own claim, whose lease had run
-/// out: the key then names the newer.)
+/// only when this process's claim on it was superseded, by another replica's
+/// takeover, and this process then took the key over from that owner while
+/// its own first call still ran: the key then names the newer. It never
+/// takes over its own running claim: [`Renewer::running_here`].)
 #[derive(Default)]
 struct Held {
     entries: HashMap<u64, Entry>,
@@ -191,6 +199,21 @@ impl Renewer {
             id,
             lost,
         }
+    }
+
+    /// Whether `owner`'s claim on `record` is held by this process and not
+    /// known lost, however long ago its lease was last renewed: its call,
+    /// or the storing of its response, is still running here. The database
+    /// may find its lease expired (renewals that could not land while it
+    /// stalled), but its owner is alive: a duplicate here must not take it
+    /// over, which would forward the request a second time while the first
+    /// is still in flight.
+    pub fn running_here(&self, record: &RecordKey, owner: OwnerToken) -> bool {
+        let held = self.lock();
+        held.by_key
+            .get(record)
+            .and_then(|id| held.entries.get(id))
+            .is_some_and(|e| e.owner == owner && !e.lost.load(Ordering::SeqCst))
     }
 
     /// Claims currently held.

@@ -402,6 +402,82 @@ async fn lease_is_renewed_while_a_slow_upstream_call_is_in_flight() {
     );
 }
 
+// Row "in flight, lease expired", but its owner still runs in this replica:
+// its renewals could not land (here a row lock held by the test makes each
+// wait out `store.timeout`, as a stalled primary or a slow checkpoint
+// would), so the database finds the lease expired. A duplicate here gets
+// 409 and is not forwarded: a takeover would execute the request a second
+// time while the first is in flight. The owner's next renewal lands once
+// the database answers again, and its response is stored.
+#[tokio::test]
+async fn a_duplicate_here_does_not_take_over_a_claim_still_running_here_when_renewals_stall() {
+    let h = Harness::start(Setup::default().defaults("lease = \"1s\"\n")).await;
+    let url = h.url("/v1/payments");
+    let client = h.client.clone();
+    let original = tokio::spawn(async move {
+        client
+            .send(
+                Req::post(&url)
+                    .key("k-stalled")
+                    .json(PAY)
+                    .header("x-sample-delay-ms", "3500"),
+            )
+            .await
+    });
+    h.wait_executions("k-stalled", 1).await;
+    let mut lock = h.db.client().await;
+    let tx = lock.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM idempotency_records WHERE idempotency_key = 'k-stalled' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    // Past the lease, by this replica's clock and the database's: the
+    // renewal due a third of a lease after the claim is still waiting.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let expired: bool =
+        h.db.client()
+            .await
+            .query_one(
+                "SELECT lease_expires_at <= now() FROM idempotency_records
+              WHERE idempotency_key = 'k-stalled'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+    assert!(expired, "the lease ran out in the database");
+    let started = std::time::Instant::now();
+    let dup = h.post("/v1/payments", "k-stalled", PAY).await;
+    dup.assert_problem(409, "request-in-progress");
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "answered without waiting on the locked row: {:?}",
+        started.elapsed()
+    );
+    tx.rollback().await.unwrap();
+    let first = original.await.unwrap();
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(h.upstream.executions("k-stalled"), 1);
+    assert_eq!(
+        h.record_state("", "k-stalled").await,
+        Some(("completed".into(), 1))
+    );
+    let replay = h.post("/v1/payments", "k-stalled", PAY).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    let metrics = h.running().metrics.render();
+    assert!(
+        support::http::metric_value(&metrics, "idemproxy_takeovers_declined_total") >= 1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        support::http::metric_value(&metrics, "idemproxy_takeovers_total"),
+        0.0
+    );
+}
+
 // The interesting duplicates arrive at the same time.
 #[tokio::test]
 async fn fifty_concurrent_identical_requests_execute_exactly_once() {

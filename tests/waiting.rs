@@ -99,6 +99,46 @@ async fn waiting_duplicate_gets_409_when_the_wait_runs_out() {
     assert_eq!(original.await.unwrap().status, 201);
 }
 
+/// A waiting duplicate on the owner's own replica finds the lease expired
+/// in the database (what renewals that could not land during a stall leave
+/// behind, written here directly): it does not take the key over, which
+/// would execute the request a second time while the first is in flight,
+/// but goes on waiting, and gets the original's response.
+#[tokio::test]
+async fn a_waiting_duplicate_here_does_not_take_over_a_claim_still_running_here() {
+    let h = Harness::start(waiting("5s")).await;
+    let original = spawn_slow(&h, "k-wait-expired", 1200);
+    h.wait_executions("k-wait-expired", 1).await;
+    // The first renewal is due a third of the 5 s lease after the claim.
+    let expired =
+        h.db.client()
+            .await
+            .execute(
+                "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second'
+              WHERE idempotency_key = 'k-wait-expired'",
+                &[],
+            )
+            .await
+            .unwrap();
+    assert_eq!(expired, 1);
+    let dup = h.post("/v1/payments", "k-wait-expired", PAY).await;
+    let first = original.await.unwrap();
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(dup.status, 201, "{}", dup.text());
+    assert!(dup.replayed());
+    assert_eq!(dup.body, first.body);
+    assert_eq!(h.upstream.executions("k-wait-expired"), 1);
+    let metrics = h.running().metrics.render();
+    assert!(
+        support::http::metric_value(&metrics, "idemproxy_takeovers_declined_total") >= 1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        support::http::metric_value(&metrics, "idemproxy_takeovers_total"),
+        0.0
+    );
+}
+
 #[tokio::test]
 async fn waiters_are_bounded_and_the_excess_gets_409_at_once() {
     let h = Harness::start(waiting("5s").server("max_waiters = 1\n")).await;

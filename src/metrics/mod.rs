@@ -201,6 +201,7 @@ pub struct Metrics {
     store_duration: Family<OpLabels, Histogram, fn() -> Histogram>,
     in_flight: Gauge,
     takeovers: Counter,
+    takeovers_declined: Counter,
     held_here: Counter,
     renewals: Family<ResultLabels, Counter>,
     sweeper_deleted: Counter,
@@ -284,6 +285,12 @@ impl Metrics {
             "takeovers",
             "Claims taken over after an expired lease",
             takeovers.clone(),
+        );
+        let takeovers_declined = Counter::default();
+        registry.register(
+            "takeovers_declined",
+            "Expired leases of claims still running in this process, not taken over by a duplicate here",
+            takeovers_declined.clone(),
         );
         let held_here = Counter::default();
         registry.register(
@@ -424,6 +431,7 @@ impl Metrics {
             store_duration,
             in_flight,
             takeovers,
+            takeovers_declined,
             held_here,
             renewals,
             sweeper_deleted,
@@ -556,6 +564,12 @@ impl Metrics {
     /// Counts a takeover.
     pub fn takeover(&self) {
         self.takeovers.inc();
+    }
+
+    /// Counts a takeover declined: the claim's lease ran out in the
+    /// database, but its owner is still running in this process.
+    pub fn takeover_declined(&self) {
+        self.takeovers_declined.inc();
     }
 
     /// Counts a duplicate answered from the renewer's knowledge of a key

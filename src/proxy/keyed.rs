@@ -28,6 +28,7 @@ use crate::cache::{Cached, Ticket};
 use crate::config::OnStoreError;
 use crate::idempotency::decision::retry_after_secs;
 use crate::idempotency::{decide, Decision, OwnerToken};
+use crate::lease::renewal_period;
 use crate::metrics::Outcome;
 use crate::store::{Claim, ClaimResult, Existing, Replace, StoreError, StoredResponse};
 use crate::waiters::WaitGuard;
@@ -85,7 +86,24 @@ impl Proxy {
                 }
                 Ok(ClaimResult::Existing(x)) => x,
             };
-            let replace = match decide(&existing.view, &k.fingerprint, existing.now) {
+            let decision = match decide(&existing.view, &k.fingerprint, existing.now) {
+                // The lease ran out in the database (renewals could not
+                // land: a stall), but its owner is running here: a takeover
+                // would forward the request again while the first is in
+                // flight. Answered as a live lease, until the original's
+                // response is stored or a renewal finds the lease lost;
+                // the next renewal is due within a renewal period.
+                Decision::TakeOver { previous, .. }
+                    if self.renewer.running_here(&k.record, previous) =>
+                {
+                    self.metrics.takeover_declined();
+                    Decision::Conflict {
+                        lease_remaining: renewal_period(policy.lease),
+                    }
+                }
+                decision => decision,
+            };
+            let replace = match decision {
                 Decision::Replay => return self.replay_existing(k, existing, ticket),
                 Decision::Conflict { lease_remaining } => {
                     match Box::pin(self.wait_for_change(k, &mut waiting, notified, lease_remaining))
