@@ -578,6 +578,7 @@ fn grafana_dashboard_queries_only_metrics_the_proxy_exposes() {
     m.store("claim", Duration::from_millis(1));
     m.renewal("ok");
     m.takeover();
+    m.takeover_declined();
     m.swept(1);
     m.pool(1, 1, 0);
     m.worker_connections(&[1, 0]);
