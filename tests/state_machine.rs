@@ -150,18 +150,7 @@ async fn in_flight_duplicate_gets_409_with_retry_after() {
 #[tokio::test]
 async fn in_flight_key_with_different_body_is_422() {
     let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
-    let url = h.url("/v1/payments");
-    let client = h.client.clone();
-    let original = tokio::spawn(async move {
-        client
-            .send(
-                Req::post(&url)
-                    .key("k-422-inflight")
-                    .json(PAY)
-                    .header("x-sample-delay-ms", "1000"),
-            )
-            .await
-    });
+    let original = h.spawn_slow("/v1/payments", "k-422-inflight", PAY, 1000);
     h.wait_executions("k-422-inflight", 1).await;
     h.post("/v1/payments", "k-422-inflight", r#"{"amount": 5}"#)
         .await
@@ -373,18 +362,7 @@ async fn racing_takeovers_have_exactly_one_winner() {
 async fn lease_is_renewed_while_a_slow_upstream_call_is_in_flight() {
     let h =
         Harness::start(Setup::default().defaults("lease = \"300ms\"\nretention = \"1h\"\n")).await;
-    let url = h.url("/v1/payments");
-    let client = h.client.clone();
-    let original = tokio::spawn(async move {
-        client
-            .send(
-                Req::post(&url)
-                    .key("k-renew")
-                    .json(PAY)
-                    .header("x-sample-delay-ms", "1500"),
-            )
-            .await
-    });
+    let original = h.spawn_slow("/v1/payments", "k-renew", PAY, 1500);
     for _ in 0..4 {
         // The point: each check comes a whole (300 ms) lease later.
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -412,18 +390,7 @@ async fn lease_is_renewed_while_a_slow_upstream_call_is_in_flight() {
 #[tokio::test]
 async fn a_duplicate_here_does_not_take_over_a_claim_still_running_here_when_renewals_stall() {
     let h = Harness::start(Setup::default().defaults("lease = \"1s\"\n")).await;
-    let url = h.url("/v1/payments");
-    let client = h.client.clone();
-    let original = tokio::spawn(async move {
-        client
-            .send(
-                Req::post(&url)
-                    .key("k-stalled")
-                    .json(PAY)
-                    .header("x-sample-delay-ms", "3500"),
-            )
-            .await
-    });
+    let original = h.spawn_slow("/v1/payments", "k-stalled", PAY, 3500);
     h.wait_executions("k-stalled", 1).await;
     let mut lock = h.db.client().await;
     let tx = lock.transaction().await.unwrap();
@@ -467,15 +434,8 @@ async fn a_duplicate_here_does_not_take_over_a_claim_still_running_here_when_ren
     let replay = h.post("/v1/payments", "k-stalled", PAY).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, first.body);
-    let metrics = h.running().metrics.render();
-    assert!(
-        support::http::metric_value(&metrics, "idemproxy_takeovers_declined_total") >= 1.0,
-        "{metrics}"
-    );
-    assert_eq!(
-        support::http::metric_value(&metrics, "idemproxy_takeovers_total"),
-        0.0
-    );
+    assert!(h.metric("idemproxy_takeovers_declined_total") >= 1.0);
+    assert_eq!(h.metric("idemproxy_takeovers_total"), 0.0);
 }
 
 // The interesting duplicates arrive at the same time.
@@ -545,18 +505,7 @@ async fn record_past_retention_is_treated_as_absent() {
 #[tokio::test]
 async fn lost_lease_still_answers_the_client_and_overwrites_nothing() {
     let h = Harness::start(Setup::default().defaults("lease = \"5s\"\n")).await;
-    let url = h.url("/v1/payments");
-    let client = h.client.clone();
-    let original = tokio::spawn(async move {
-        client
-            .send(
-                Req::post(&url)
-                    .key("k-lost")
-                    .json(PAY)
-                    .header("x-sample-delay-ms", "800"),
-            )
-            .await
-    });
+    let original = h.spawn_slow("/v1/payments", "k-lost", PAY, 800);
     h.wait_executions("k-lost", 1).await;
     // Another attempt takes the key over (as a replica would after a pause).
     let c = h.db.client().await;

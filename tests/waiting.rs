@@ -19,19 +19,7 @@ fn spawn_slow(
     key: &str,
     delay_ms: u64,
 ) -> tokio::task::JoinHandle<support::http::Resp> {
-    let client = h.client.clone();
-    let url = h.url("/v1/payments");
-    let key = key.to_owned();
-    tokio::spawn(async move {
-        client
-            .send(
-                Req::post(&url)
-                    .key(&key)
-                    .json(PAY)
-                    .header("x-sample-delay-ms", delay_ms.to_string()),
-            )
-            .await
-    })
+    h.spawn_slow("/v1/payments", key, PAY, delay_ms)
 }
 
 #[tokio::test]
@@ -128,15 +116,8 @@ async fn a_waiting_duplicate_here_does_not_take_over_a_claim_still_running_here(
     assert!(dup.replayed());
     assert_eq!(dup.body, first.body);
     assert_eq!(h.upstream.executions("k-wait-expired"), 1);
-    let metrics = h.running().metrics.render();
-    assert!(
-        support::http::metric_value(&metrics, "idemproxy_takeovers_declined_total") >= 1.0,
-        "{metrics}"
-    );
-    assert_eq!(
-        support::http::metric_value(&metrics, "idemproxy_takeovers_total"),
-        0.0
-    );
+    assert!(h.metric("idemproxy_takeovers_declined_total") >= 1.0);
+    assert_eq!(h.metric("idemproxy_takeovers_total"), 0.0);
 }
 
 #[tokio::test]

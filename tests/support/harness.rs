@@ -189,6 +189,28 @@ impl Harness {
             .await
     }
 
+    /// A keyed POST whose answer the sample upstream delays by `delay_ms`,
+    /// sent from a task of its own: the original of a test of duplicates.
+    pub fn spawn_slow(
+        &self,
+        path: &str,
+        key: &str,
+        body: &str,
+        delay_ms: u64,
+    ) -> tokio::task::JoinHandle<Resp> {
+        let client = self.client.clone();
+        let req = Req::post(&self.url(path))
+            .key(key)
+            .json(body)
+            .header("x-sample-delay-ms", delay_ms.to_string());
+        tokio::spawn(async move { client.send(req).await })
+    }
+
+    /// One series of the proxy's `/metrics` (see [`super::http::metric_value`]).
+    pub fn metric(&self, series: &str) -> f64 {
+        super::http::metric_value(&self.running().metrics.render(), series)
+    }
+
     pub async fn send(&self, req: Req) -> Resp {
         let url = self.url(&req.path);
         self.client.send(req.at(&url)).await
