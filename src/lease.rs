@@ -30,12 +30,13 @@
 //! not take it over ([`Renewer::running_here`]): its owner is alive, and a
 //! takeover would forward the request a second time while the first is in
 //! flight. It gets `409` (or waits, on a route with `wait`) until the
-//! original's response is stored or a renewal finds the lease lost. The reasoning trusts
-//! this process's monotonic clock, as the lease check before forwarding
-//! does; where it stood still while the database's ran on (a suspended
-//! VM), the worst a duplicate gets from here is a `409` where the database
-//! would have replayed or let it take over, and its retry reads again
-//! once the renewal has found the lease lost.
+//! original's response is stored or a renewal finds the lease lost.
+//!
+//! The reasoning trusts this process's monotonic clock, as the lease check
+//! before forwarding does; where it stood still while the database's ran
+//! on (a suspended VM), the worst a duplicate gets from here is a `409`
+//! where the database would have replayed or let it take over, and its
+//! retry reads again once the renewal has found the lease lost.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
