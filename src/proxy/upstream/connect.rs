@@ -124,6 +124,9 @@ where
     T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
     let (sender, conn) = http1::Builder::new()
+        // One buffer per request, as for the server's responses
+        // (src/server.rs).
+        .writev(false)
         .handshake(TokioIo::new(io))
         .await
         .map_err(|e| UpstreamError::Connect(error_chain(&e)))?;
