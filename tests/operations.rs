@@ -231,13 +231,7 @@ async fn sweep_batches_resume_in_expiry_order_and_leave_locked_records_to_the_ne
 
     // Another transaction holds k-3.
     let mut locker = db.client().await;
-    let tx = locker.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM idempotency_records WHERE idempotency_key = 'k-3' FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
+    let tx = support::records::lock_key(&mut locker, "k-3").await;
     let k1 = expiry("k-1").await;
     let second = store.sweep_batch(2, first.last_expiry).await.unwrap();
     assert_eq!((second.deleted, second.last_expiry), (2, Some(k1)));

@@ -393,13 +393,7 @@ async fn a_duplicate_here_does_not_take_over_a_claim_still_running_here_when_ren
     let original = h.spawn_slow("/v1/payments", "k-stalled", PAY, 3500);
     h.wait_executions("k-stalled", 1).await;
     let mut lock = h.db.client().await;
-    let tx = lock.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM idempotency_records WHERE idempotency_key = 'k-stalled' FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
+    let tx = support::records::lock_key(&mut lock, "k-stalled").await;
     // Past the lease, by this replica's clock and the database's: the
     // renewal due a third of a lease after the claim is still waiting.
     tokio::time::sleep(Duration::from_millis(1300)).await;

@@ -18,6 +18,23 @@ pub struct Row {
     pub body: Option<Vec<u8>>,
 }
 
+/// Holds the record of `key` (every tenant's) locked, `FOR UPDATE`, until
+/// the returned transaction ends: what a stalled writer does to every
+/// statement that would update it.
+pub async fn lock_key<'c>(
+    db: &'c mut tokio_postgres::Client,
+    key: &str,
+) -> tokio_postgres::Transaction<'c> {
+    let tx = db.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM idempotency_records WHERE idempotency_key = $1 FOR UPDATE",
+        &[&key],
+    )
+    .await
+    .unwrap();
+    tx
+}
+
 pub async fn read_row(db: &tokio_postgres::Client, tenant: &str, key: &str) -> Option<Row> {
     db.query_opt(
         "SELECT state, attempt, owner_token, lease_expires_at <= now(),
