@@ -116,7 +116,8 @@ async fn a_waiting_duplicate_here_does_not_take_over_a_claim_still_running_here(
     assert!(dup.replayed());
     assert_eq!(dup.body, first.body);
     assert_eq!(h.upstream.executions("k-wait-expired"), 1);
-    assert!(h.metric("idemproxy_takeovers_declined_total") >= 1.0);
+    // Once for the one duplicate, however often it read the record again.
+    assert_eq!(h.metric("idemproxy_takeovers_declined_total"), 1.0);
     assert_eq!(h.metric("idemproxy_takeovers_total"), 0.0);
 }
 

@@ -58,6 +58,9 @@ impl Proxy {
         // and our write; each turn re-reads. Bounded so that a pathological
         // flapping key cannot spin; waiting turns are bounded by `wait`.
         let mut races = 0;
+        // Counted once per request, however many times a waiting one
+        // re-reads the same stalled claim.
+        let mut declined = false;
         while races < 4 {
             // Armed before the read, so no wake-up falls in between.
             let notify = waiting.guard.as_ref().map(WaitGuard::notify);
@@ -96,7 +99,9 @@ impl Proxy {
                 Decision::TakeOver { previous, .. }
                     if self.renewer.running_here(&k.record, previous) =>
                 {
-                    self.metrics.takeover_declined();
+                    if !std::mem::replace(&mut declined, true) {
+                        self.metrics.takeover_declined();
+                    }
                     Decision::Conflict {
                         lease_remaining: renewal_period(policy.lease),
                     }
