@@ -289,7 +289,7 @@ impl Metrics {
         let takeovers_declined = Counter::default();
         registry.register(
             "takeovers_declined",
-            "Expired leases of claims still running in this process, not taken over by a duplicate here",
+            "Duplicates that found the lease of a claim still running in this process expired, and did not take it over (once per duplicate)",
             takeovers_declined.clone(),
         );
         let held_here = Counter::default();
@@ -566,8 +566,9 @@ impl Metrics {
         self.takeovers.inc();
     }
 
-    /// Counts a takeover declined: the claim's lease ran out in the
-    /// database, but its owner is still running in this process.
+    /// Counts a duplicate that declined a takeover (once per request): the
+    /// claim's lease ran out in the database, but its owner is still
+    /// running in this process.
     pub fn takeover_declined(&self) {
         self.takeovers_declined.inc();
     }
