@@ -17,7 +17,9 @@ use super::fingerprint::Fingerprint;
 pub struct OwnerToken(Uuid);
 
 impl OwnerToken {
-    /// A new random token.
+    /// A new random token (a version-4 UUID). Its bits come from uuid's
+    /// `fast-rng`: a thread-local CSPRNG seeded from the operating system,
+    /// not a system call per token (one is minted for every claim).
     pub fn mint() -> Self {
         OwnerToken(Uuid::new_v4())
     }
