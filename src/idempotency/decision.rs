@@ -17,9 +17,14 @@ use super::fingerprint::Fingerprint;
 pub struct OwnerToken(Uuid);
 
 impl OwnerToken {
-    /// A new random token (a version-4 UUID). Its bits come from uuid's
-    /// `fast-rng`: a thread-local CSPRNG seeded from the operating system,
-    /// not a system call per token (one is minted for every claim).
+    /// A new random token (a version-4 UUID), its bits drawn from the
+    /// kernel (`getrandom`) for every token. A thread-local generator
+    /// would save that system call per claim (BENCHMARKS.md, eighteenth
+    /// pass) but not stay unique: clones of one VM snapshot, restored side
+    /// by side, would mint the same tokens in the same order until it
+    /// reseeds, and a token fences attempts of the same key. Linux
+    /// reseeds its own generator when the hypervisor reports a clone (VM
+    /// generation ID, Linux 5.18 and later).
     pub fn mint() -> Self {
         OwnerToken(Uuid::new_v4())
     }
