@@ -35,9 +35,9 @@ use std::time::{Duration, Instant};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::rt::{Read, Write};
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
@@ -260,9 +260,8 @@ async fn accept<H: Handler>(
     grace: Duration,
 ) {
     let limits = handler.limits();
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = http1::Builder::new();
+    http1
         // A response's head and a small body go out as one buffer: hyper
         // copies the body in rather than queueing both for `writev`, 2 %
         // fewer instructions per pass-through (BENCHMARKS.md, sixteenth
@@ -270,16 +269,17 @@ async fn accept<H: Handler>(
         .writev(false)
         .timer(HyperTimer)
         .header_read_timeout(options.header_read_timeout);
-    builder
-        .http2()
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    http2
         .timer(HyperTimer)
         .max_concurrent_streams(limits.h2_max_concurrent_streams);
+    let builders = Arc::new(Builders { http1, http2 });
     let mut refused = Refusals::default();
     let stop = CancellationToken::new();
     let connections = TaskTracker::new();
     let start = |stream: TcpStream, addr, slot, served| {
         let connection = Connection {
-            builder: builder.clone(),
+            builders: builders.clone(),
             handler: handler.clone(),
             stop: stop.clone(),
             idle_timeout: limits.idle_timeout,
@@ -457,9 +457,18 @@ impl Activity {
     }
 }
 
+/// How a listener serves each protocol: hyper's own connections, chosen
+/// here by the first bytes or ALPN (`Connection::sniff`, `handshake`).
+/// hyper-util's automatic builder would read them again and wrap every
+/// read of the connection in a rewind buffer.
+struct Builders {
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
+}
+
 /// One accepted connection, before it is served.
 struct Connection<H> {
-    builder: auto::Builder<TokioExecutor>,
+    builders: Arc<Builders>,
     handler: Arc<H>,
     /// Cancelled when the listener drains: shut down gracefully.
     stop: CancellationToken,
@@ -535,7 +544,7 @@ impl<H: Handler> Connection<H> {
         I: Read + Write + Unpin + Send + 'static,
     {
         let Connection {
-            builder,
+            builders,
             handler,
             stop,
             idle_timeout,
@@ -556,11 +565,55 @@ impl<H: Handler> Connection<H> {
                 Ok::<_, Infallible>(response)
             }
         });
-        let builder = match protocol {
-            Protocol::Http1 => builder.http1_only(),
-            Protocol::H2 => builder.http2_only(),
+        let closed = Closing {
+            stop,
+            idle_timeout,
+            activity,
+            addr,
         };
-        let conn = builder.serve_connection(io, service).into_owned();
+        let result = match protocol {
+            Protocol::Http1 => {
+                let conn = builders.http1.serve_connection(io, service);
+                closed.drive(conn, |c| c.graceful_shutdown()).await
+            }
+            Protocol::H2 => {
+                let conn = builders.http2.serve_connection(io, service);
+                closed.drive(conn, |c| c.graceful_shutdown()).await
+            }
+        };
+        if let Some(Err(e)) = result {
+            debug!(error = %e, client = %addr, "connection ended with an error");
+        }
+    }
+}
+
+/// What ends a connection other than its client: the listener draining,
+/// or no request in progress for `idle_timeout`.
+struct Closing {
+    stop: CancellationToken,
+    idle_timeout: Option<Duration>,
+    activity: Arc<Activity>,
+    addr: SocketAddr,
+}
+
+impl Closing {
+    /// Serves `conn` to its end, shutting it down gracefully (`shutdown`)
+    /// when the listener drains or the connection idles; `None` when it
+    /// was dropped instead, after an idle period with no graceful end.
+    async fn drive<C>(
+        self,
+        conn: C,
+        shutdown: impl Fn(std::pin::Pin<&mut C>),
+    ) -> Option<hyper::Result<()>>
+    where
+        C: Future<Output = hyper::Result<()>>,
+    {
+        let Closing {
+            stop,
+            idle_timeout,
+            activity,
+            addr,
+        } = self;
         tokio::pin!(conn);
         let idle = async {
             match idle_timeout {
@@ -576,16 +629,16 @@ impl<H: Handler> Connection<H> {
         let cut = tokio::time::sleep(Duration::MAX);
         tokio::pin!(cut);
         let mut cutting = false;
-        let result = loop {
+        loop {
             tokio::select! {
-                result = conn.as_mut() => break result,
+                result = conn.as_mut() => return Some(result),
                 () = stop.cancelled(), if !closing => {
-                    conn.as_mut().graceful_shutdown();
+                    shutdown(conn.as_mut());
                     closing = true;
                 }
                 () = &mut idle, if !closing => {
                     debug!(client = %addr, "closing an idle connection");
-                    conn.as_mut().graceful_shutdown();
+                    shutdown(conn.as_mut());
                     closing = true;
                     if let Some(t) = idle_timeout {
                         cut.as_mut().reset(tokio::time::Instant::now() + t);
@@ -594,12 +647,9 @@ impl<H: Handler> Connection<H> {
                 }
                 () = &mut cut, if cutting => {
                     debug!(client = %addr, "an idle connection did not close gracefully; dropping it");
-                    return;
+                    return None;
                 }
             }
-        };
-        if let Err(e) = result {
-            debug!(error = %e, client = %addr, "connection ended with an error");
         }
     }
 }

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 use support::db::TestDb;
@@ -52,7 +52,7 @@ async fn start_marker_upstream() -> String {
                         .unwrap();
                     Ok::<_, Infallible>(resp)
                 });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
                     .await;
             });
