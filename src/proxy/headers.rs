@@ -6,7 +6,8 @@ use bytes::Bytes;
 use http::header::{Entry, HeaderName, HeaderValue, CONNECTION, DATE};
 use http::HeaderMap;
 
-/// Headers that belong to one connection, never forwarded nor stored.
+/// Headers that belong to one connection, never forwarded nor stored
+/// (`connection` first: `strip_hop_by_hop` counts on it).
 const HOP_BY_HOP: [&str; 6] = [
     "connection",
     "keep-alive",
@@ -16,55 +17,83 @@ const HOP_BY_HOP: [&str; 6] = [
     "upgrade",
 ];
 
+/// Where `n` (a lower-case name) is in [`HOP_BY_HOP`].
+fn hop_by_hop_position(n: &str) -> Option<usize> {
+    // By length first: this runs for every header of every message.
+    match n.len() {
+        2 | 7 | 10 | 17 => HOP_BY_HOP.iter().position(|h| *h == n),
+        _ => None,
+    }
+}
+
 /// Whether `name` is hop-by-hop on its own (not counting names listed in
 /// `Connection`).
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     let n = name.as_str();
-    // By length first: this runs for every header of every message.
-    let listed = match n.len() {
-        2 | 7 | 10 | 17 => HOP_BY_HOP.contains(&n),
-        _ => false,
-    };
-    listed || n.starts_with("proxy-")
+    hop_by_hop_position(n).is_some() || n.starts_with("proxy-")
 }
 
-/// Names listed in the `Connection` header(s).
+/// Whether a token of `Connection` (any case) names a header that is
+/// hop-by-hop on its own: it goes anyway, so it is not parsed into a name.
+fn hop_by_hop_token(t: &str) -> bool {
+    HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(t))
+        || t.as_bytes()
+            .get(..6)
+            .is_some_and(|p| p.eq_ignore_ascii_case(b"proxy-"))
+}
+
+/// Names listed in the `Connection` header(s), other than those
+/// hop-by-hop on their own.
 fn connection_listed(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
     headers
         .get_all(CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && !hop_by_hop_token(t))
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
 }
 
 /// Removes every hop-by-hop header, including those named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most requests have none (`Connection` is one itself, so a message
-    // without any names nothing either): one pass, no allocation.
-    if !headers.keys().any(is_hop_by_hop) {
+    // One pass over the names: which of the fixed ones are here (bit i:
+    // `HOP_BY_HOP[i]`), and whether any `Proxy-*` is. Most requests have
+    // none, most responses only `Connection: keep-alive`, whose tokens are
+    // all hop-by-hop by name: neither allocates.
+    let mut present = 0u8;
+    let mut proxy = false;
+    for name in headers.keys() {
+        let n = name.as_str();
+        match hop_by_hop_position(n) {
+            Some(i) => present |= 1 << i,
+            None => proxy |= n.starts_with("proxy-"),
+        }
+    }
+    if present == 0 && !proxy {
         return;
     }
-    // Most responses have one, `Connection: keep-alive`, whose tokens are
-    // all hop-by-hop by name: only a token that is not needs its own
-    // removal (and this Vec its allocation).
-    let extra: Vec<HeaderName> = connection_listed(headers)
-        .filter(|n| !is_hop_by_hop(n))
-        .collect();
-    for name in extra {
-        headers.remove(name);
+    if present & 1 != 0 {
+        // `Connection` is HOP_BY_HOP[0]: the names it lists go too.
+        let extra: Vec<HeaderName> = connection_listed(headers).collect();
+        for name in extra {
+            headers.remove(name);
+        }
     }
-    headers.remove(CONNECTION);
-    if !headers.keys().any(is_hop_by_hop) {
-        return;
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(*name);
+        }
     }
-    let fixed: Vec<HeaderName> = headers
-        .keys()
-        .filter(|n| is_hop_by_hop(n))
-        .cloned()
-        .collect();
-    for name in fixed {
-        headers.remove(name);
+    if proxy {
+        let names: Vec<HeaderName> = headers
+            .keys()
+            .filter(|n| n.as_str().starts_with("proxy-"))
+            .cloned()
+            .collect();
+        for name in names {
+            headers.remove(name);
+        }
     }
 }
 
@@ -265,6 +294,34 @@ mod tests {
         )));
         assert!(!is_hop_by_hop(&HeaderName::from_static("content-type")));
         assert!(!is_hop_by_hop(&HeaderName::from_static("tx")));
+    }
+
+    #[test]
+    fn a_connection_token_is_hop_by_hop_by_name_in_any_case() {
+        for n in HOP_BY_HOP {
+            assert!(hop_by_hop_token(&n.to_ascii_uppercase()), "{n}");
+        }
+        assert!(hop_by_hop_token("Proxy-Authorization"));
+        assert!(!hop_by_hop_token("x-proxy-id"));
+        assert!(!hop_by_hop_token("tee"));
+        assert!(!hop_by_hop_token("proxy"));
+        // Those are not parsed: only the other names are listed.
+        let h = map(&[("connection", "Keep-Alive, UPGRADE, proxy-x, X-Hop")]);
+        let listed: Vec<HeaderName> = connection_listed(&h).collect();
+        assert_eq!(listed, [HeaderName::from_static("x-hop")]);
+    }
+
+    #[test]
+    fn proxy_headers_go_without_a_connection_header() {
+        let mut h = map(&[
+            ("proxy-authorization", "Basic x"),
+            ("x-a", "1"),
+            ("proxy-connection", "keep-alive"),
+            ("te", "trailers"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-a"]);
     }
 
     #[test]
