@@ -28,6 +28,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,7 +40,7 @@ use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -596,32 +597,34 @@ struct Closing {
     addr: SocketAddr,
 }
 
+/// Why the proxy closes a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Close {
+    /// The listener drains.
+    Drain,
+    /// No request in progress for `idle_timeout`.
+    Idle,
+}
+
 impl Closing {
     /// Serves `conn` to its end, shutting it down gracefully (`shutdown`)
     /// when the listener drains or the connection idles; `None` when it
     /// was dropped instead, after an idle period with no graceful end.
-    async fn drive<C>(
-        self,
-        conn: C,
-        shutdown: impl Fn(std::pin::Pin<&mut C>),
-    ) -> Option<hyper::Result<()>>
+    ///
+    /// The drain and the idle clock are watched by a task of their own,
+    /// which tells this one once, when it is time. Polled here beside the
+    /// connection, they were polled on every wake-up of it, two or three
+    /// a request: the drain's token takes a lock that every connection of
+    /// the listener shares, on both workers, and the idle timer registers
+    /// its waker again (BENCHMARKS.md, nineteenth pass).
+    async fn drive<C>(self, conn: C, shutdown: impl Fn(Pin<&mut C>)) -> Option<hyper::Result<()>>
     where
         C: Future<Output = hyper::Result<()>>,
     {
-        let Closing {
-            stop,
-            idle_timeout,
-            activity,
-            addr,
-        } = self;
+        let (idle_timeout, addr) = (self.idle_timeout, self.addr);
+        let (tell, mut told) = oneshot::channel();
+        tokio::spawn(self.watch(tell));
         tokio::pin!(conn);
-        let idle = async {
-            match idle_timeout {
-                Some(t) => activity.idle_for(t).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::pin!(idle);
         let mut closing = false;
         // A graceful h2 shutdown waits for the client to acknowledge a
         // ping, which a hostile client never does: an idle connection gets
@@ -631,16 +634,17 @@ impl Closing {
         let mut cutting = false;
         loop {
             tokio::select! {
+                // The connection first, and no random start: the other
+                // branches are ready at most once.
+                biased;
                 result = conn.as_mut() => return Some(result),
-                () = stop.cancelled(), if !closing => {
-                    shutdown(conn.as_mut());
+                why = &mut told, if !closing => {
                     closing = true;
-                }
-                () = &mut idle, if !closing => {
-                    debug!(client = %addr, "closing an idle connection");
+                    // An error: the watcher was dropped with its runtime,
+                    // which drops this connection too.
+                    let Ok(why) = why else { continue };
                     shutdown(conn.as_mut());
-                    closing = true;
-                    if let Some(t) = idle_timeout {
+                    if let (Close::Idle, Some(t)) = (why, idle_timeout) {
                         cut.as_mut().reset(tokio::time::Instant::now() + t);
                         cutting = true;
                     }
@@ -651,6 +655,32 @@ impl Closing {
                 }
             }
         }
+    }
+
+    /// Tells `drive` when the listener drains or the connection idles;
+    /// ends without a word when the connection ends first.
+    async fn watch(self, mut tell: oneshot::Sender<Close>) {
+        let Closing {
+            stop,
+            idle_timeout,
+            activity,
+            addr,
+        } = self;
+        let idle = async {
+            match idle_timeout {
+                Some(t) => activity.idle_for(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let why = tokio::select! {
+            () = tell.closed() => return,
+            () = stop.cancelled() => Close::Drain,
+            () = idle => {
+                debug!(client = %addr, "closing an idle connection");
+                Close::Idle
+            }
+        };
+        let _ = tell.send(why);
     }
 }
 
