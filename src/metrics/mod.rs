@@ -152,6 +152,20 @@ impl EncodeLabelSet for Unlabelled {
     }
 }
 
+/// A route's name and the handles of its series ([`Metrics::route_metrics`]).
+#[derive(Clone)]
+pub struct RouteMetrics {
+    name: Box<str>,
+    series: Arc<RouteSeries>,
+}
+
+impl RouteMetrics {
+    /// The route's name, as the series label it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
 /// The series of one route, created on first use.
 struct RouteSeries {
     /// `idemproxy_requests_total` by outcome, then status class.
@@ -198,6 +212,8 @@ pub struct Metrics {
     /// The buckets chosen for the request and upstream histograms.
     buckets: Arc<OnceLock<DurationBuckets>>,
     upstream_duration: Family<Unlabelled, Histogram, DurationHistograms>,
+    /// The one series of `upstream_duration`, once created.
+    upstream_histogram: OnceLock<Histogram>,
     store_duration: Family<OpLabels, Histogram, fn() -> Histogram>,
     in_flight: Gauge,
     takeovers: Counter,
@@ -428,6 +444,7 @@ impl Metrics {
             routes: RwLock::new(HashMap::new()),
             buckets,
             upstream_duration,
+            upstream_histogram: OnceLock::new(),
             store_duration,
             in_flight,
             takeovers,
@@ -506,13 +523,28 @@ impl Metrics {
     /// Counts a finished request and records how long it took to its
     /// response head.
     pub fn request(&self, route: &str, outcome: Outcome, status: u16, took: Duration) {
-        let series = self.route(route);
-        self.request_counter(&series, route, outcome, status).inc();
+        self.request_on(&self.route_metrics(route), outcome, status, took);
+    }
+
+    /// The handles of `route`'s series, for [`Metrics::request_on`]: kept
+    /// by whoever counts the route's requests, so that counting one takes
+    /// no lock and no lookup.
+    pub fn route_metrics(&self, route: &str) -> RouteMetrics {
+        RouteMetrics {
+            name: route.into(),
+            series: self.route(route),
+        }
+    }
+
+    /// [`Metrics::request`] on a route's handles.
+    pub fn request_on(&self, route: &RouteMetrics, outcome: Outcome, status: u16, took: Duration) {
+        let (name, series) = (&*route.name, &*route.series);
+        self.request_counter(series, name, outcome, status).inc();
         series.durations[outcome.index()]
             .get_or_init(|| {
                 self.request_duration
                     .get_or_create(&DurationLabels {
-                        route: route.to_owned(),
+                        route: name.to_owned(),
                         outcome: outcome.as_str(),
                     })
                     .clone()
@@ -533,8 +565,8 @@ impl Metrics {
 
     /// Records an upstream exchange's duration.
     pub fn upstream(&self, d: Duration) {
-        self.upstream_duration
-            .get_or_create(&Unlabelled)
+        self.upstream_histogram
+            .get_or_init(|| self.upstream_duration.get_or_create(&Unlabelled).clone())
             .observe(d.as_secs_f64());
     }
 

@@ -68,7 +68,7 @@ use crate::cache::ResponseCache;
 use crate::config::{Config, Route};
 use crate::lease::Renewer;
 use crate::lifecycle::Lifecycle;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::store::Store;
 use crate::waiters::Waiters;
 use access::{AccessLine, Counted, Logged, RequestBytes, RequestIds, REQUEST_ID};
@@ -156,6 +156,9 @@ impl Handled {
     }
 }
 
+/// The route label of requests no route covers.
+const UNROUTED: &str = "unrouted";
+
 /// The proxy service, shared by every connection.
 pub struct Proxy {
     /// Routes, limits and the store's failure policy.
@@ -178,6 +181,9 @@ pub struct Proxy {
     request_ids: RequestIds,
     /// Every route's derived-key header, removed from what clients send.
     derived_key_headers: Vec<HeaderName>,
+    /// Each route's series (by index in `config.routes`), then those of
+    /// requests no route covers: counting a request looks nothing up.
+    route_metrics: Vec<RouteMetrics>,
 }
 
 impl Proxy {
@@ -212,8 +218,16 @@ impl Proxy {
             .collect();
         derived_key_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         derived_key_headers.dedup();
+        let route_metrics = config
+            .routes
+            .iter()
+            .map(|r| r.name.as_str())
+            .chain([UNROUTED])
+            .map(|name| metrics.route_metrics(name))
+            .collect();
         Proxy {
             derived_key_headers,
+            route_metrics,
             request_ids: RequestIds::new(),
             cache,
             config,
@@ -309,7 +323,7 @@ impl Proxy {
                 if logged {
                     line.path = req.uri().path().to_owned();
                 }
-                return self.respond(p.into_response(), Outcome::Rejected, "unrouted", line);
+                return self.respond(p.into_response(), Outcome::Rejected, None, line);
             }
         };
         if let Some(normal) = &normal {
@@ -321,13 +335,13 @@ impl Proxy {
                     if logged {
                         line.path = req.uri().path().to_owned();
                     }
-                    return self.respond(p.into_response(), Outcome::Rejected, "unrouted", line);
+                    return self.respond(p.into_response(), Outcome::Rejected, None, line);
                 }
             }
         }
         let matched = matched.map(|i| (i, &self.config.routes[i]));
         // Labelled by the route that covers the path, keyed method or not.
-        let route_label = matched.map_or("unrouted", |(_, r)| r.name.as_str());
+        let route_label = matched.map_or(UNROUTED, |(_, r)| r.name.as_str());
         if logged {
             line.path = normal.unwrap_or_else(|| req.uri().path().to_owned());
             line.route = route_label.to_owned();
@@ -360,7 +374,12 @@ impl Proxy {
             }
         };
         line.attempt = handled.attempt;
-        self.respond(handled.response, handled.outcome, route_label, line)
+        self.respond(
+            handled.response,
+            handled.outcome,
+            matched.map(|(i, _)| i),
+            line,
+        )
     }
 
     /// Runs the keyed path, which may own a claim, and accounts for it,
@@ -407,7 +426,7 @@ impl Proxy {
             let handled = this.keyed(&k).await;
             line.timings = Some(k.timings.millis());
             line.attempt = handled.attempt;
-            this.respond(handled.response, handled.outcome, &route.name, line)
+            this.respond(handled.response, handled.outcome, Some(route_index), line)
         };
         // Boxed: spawning moves a future into the task's cell, and this
         // one (the whole keyed path) is large; a box moves as a pointer.
@@ -427,18 +446,21 @@ impl Proxy {
         }
     }
 
-    /// Counts the request, stamps its id on the response, and leaves the
+    /// Counts the request on `route` (an index in `config.routes`; `None`:
+    /// none covers it), stamps its id on the response, and leaves the
     /// access line to the body.
     fn respond(
         &self,
         mut response: Response<ProxyBody>,
         outcome: Outcome,
-        route: &str,
+        route: Option<usize>,
         mut line: AccessLine,
     ) -> Response<ProxyBody> {
         let status = response.status().as_u16();
+        // The unrouted series is the last.
+        let route = &self.route_metrics[route.unwrap_or(self.route_metrics.len() - 1)];
         self.metrics
-            .request(route, outcome, status, line.started.elapsed());
+            .request_on(route, outcome, status, line.started.elapsed());
         // Ours, whatever the upstream or a stored response said.
         response
             .headers_mut()
@@ -448,7 +470,7 @@ impl Proxy {
             return response;
         }
         if line.route.is_empty() {
-            line.route = route.to_owned();
+            line.route = route.name().to_owned();
         }
         line.outcome = outcome;
         line.status = status;
