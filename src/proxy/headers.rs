@@ -3,7 +3,9 @@
 use std::net::IpAddr;
 
 use bytes::Bytes;
-use http::header::{Entry, HeaderName, HeaderValue, CONNECTION, DATE};
+use http::header::{
+    Entry, HeaderName, HeaderValue, CONNECTION, DATE, TE, TRAILER, TRANSFER_ENCODING, UPGRADE,
+};
 use http::HeaderMap;
 
 /// Headers that belong to one connection, never forwarded nor stored
@@ -15,6 +17,16 @@ const HOP_BY_HOP: [&str; 6] = [
     "te",
     "trailer",
     "upgrade",
+];
+
+/// [`HOP_BY_HOP`] as names, to remove without parsing them again.
+const HOP_BY_HOP_NAMES: [HeaderName; 6] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    TRANSFER_ENCODING,
+    TE,
+    TRAILER,
+    UPGRADE,
 ];
 
 /// Where `n` (a lower-case name) is in [`HOP_BY_HOP`].
@@ -35,10 +47,11 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
 
 /// Whether a token of `Connection` (any case) names a header that is
 /// hop-by-hop on its own: it goes anyway, so it is not parsed into a name.
-fn hop_by_hop_token(t: &str) -> bool {
-    HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(t))
-        || t.as_bytes()
-            .get(..6)
+fn hop_by_hop_token(t: &[u8]) -> bool {
+    HOP_BY_HOP
+        .iter()
+        .any(|h| h.as_bytes().eq_ignore_ascii_case(t))
+        || t.get(..6)
             .is_some_and(|p| p.eq_ignore_ascii_case(b"proxy-"))
 }
 
@@ -48,11 +61,10 @@ fn connection_listed(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + 
     headers
         .get_all(CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
         .filter(|t| !t.is_empty() && !hop_by_hop_token(t))
-        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+        .filter_map(|t| HeaderName::from_bytes(t).ok())
 }
 
 /// Removes every hop-by-hop header, including those named in `Connection`.
@@ -80,9 +92,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+    for (i, name) in HOP_BY_HOP_NAMES.iter().enumerate() {
         if present & (1 << i) != 0 {
-            headers.remove(*name);
+            headers.remove(name);
         }
     }
     if proxy {
@@ -298,13 +310,14 @@ mod tests {
 
     #[test]
     fn a_connection_token_is_hop_by_hop_by_name_in_any_case() {
-        for n in HOP_BY_HOP {
-            assert!(hop_by_hop_token(&n.to_ascii_uppercase()), "{n}");
+        for (n, name) in HOP_BY_HOP.iter().zip(&HOP_BY_HOP_NAMES) {
+            assert!(hop_by_hop_token(n.to_ascii_uppercase().as_bytes()), "{n}");
+            assert_eq!(name.as_str(), *n);
         }
-        assert!(hop_by_hop_token("Proxy-Authorization"));
-        assert!(!hop_by_hop_token("x-proxy-id"));
-        assert!(!hop_by_hop_token("tee"));
-        assert!(!hop_by_hop_token("proxy"));
+        assert!(hop_by_hop_token(b"Proxy-Authorization"));
+        assert!(!hop_by_hop_token(b"x-proxy-id"));
+        assert!(!hop_by_hop_token(b"tee"));
+        assert!(!hop_by_hop_token(b"proxy"));
         // Those are not parsed: only the other names are listed.
         let h = map(&[("connection", "Keep-Alive, UPGRADE, proxy-x, X-Hop")]);
         let listed: Vec<HeaderName> = connection_listed(&h).collect();
