@@ -181,9 +181,11 @@ pub struct Proxy {
     request_ids: RequestIds,
     /// Every route's derived-key header, removed from what clients send.
     derived_key_headers: Vec<HeaderName>,
-    /// Each route's series (by index in `config.routes`), then those of
-    /// requests no route covers: counting a request looks nothing up.
+    /// Each route's series, by index in `config.routes`: counting a
+    /// request looks nothing up.
     route_metrics: Vec<RouteMetrics>,
+    /// The series of requests no route covers.
+    unrouted_metrics: RouteMetrics,
 }
 
 impl Proxy {
@@ -221,13 +223,12 @@ impl Proxy {
         let route_metrics = config
             .routes
             .iter()
-            .map(|r| r.name.as_str())
-            .chain([UNROUTED])
-            .map(|name| metrics.route_metrics(name))
+            .map(|r| metrics.route_metrics(&r.name))
             .collect();
         Proxy {
             derived_key_headers,
             route_metrics,
+            unrouted_metrics: metrics.route_metrics(UNROUTED),
             request_ids: RequestIds::new(),
             cache,
             config,
@@ -457,8 +458,7 @@ impl Proxy {
         mut line: AccessLine,
     ) -> Response<ProxyBody> {
         let status = response.status().as_u16();
-        // The unrouted series is the last.
-        let route = &self.route_metrics[route.unwrap_or(self.route_metrics.len() - 1)];
+        let route = route.map_or(&self.unrouted_metrics, |i| &self.route_metrics[i]);
         self.metrics
             .request_on(route, outcome, status, line.started.elapsed());
         // Ours, whatever the upstream or a stored response said.
