@@ -193,7 +193,11 @@ mod tests {
 
     /// The names left of `pairs` after stripping, in order.
     fn stripped(pairs: &[(&str, &str)]) -> Vec<String> {
-        let mut h = map(pairs);
+        left(map(pairs))
+    }
+
+    /// The names left of `h` after stripping, in order.
+    fn left(mut h: HeaderMap) -> Vec<String> {
         strip_hop_by_hop(&mut h);
         h.keys().map(|k| k.as_str().to_owned()).collect()
     }
@@ -329,6 +333,16 @@ mod tests {
         let h = map(&[("connection", "Keep-Alive, UPGRADE, proxy-x, X-Hop")]);
         let listed: Vec<HeaderName> = connection_listed(&h).collect();
         assert_eq!(listed, [HeaderName::from_static("x-hop")]);
+    }
+
+    #[test]
+    fn a_connection_value_with_obs_text_still_names_its_headers() {
+        let mut h = map(&[("x-hop", "1"), ("x-end", "2")]);
+        h.append(
+            CONNECTION,
+            HeaderValue::from_bytes(b"x-hop, caf\xe9").unwrap(),
+        );
+        assert_eq!(left(h), ["x-end"]);
     }
 
     #[test]
