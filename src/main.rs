@@ -8,10 +8,11 @@ use idemproxy::cli::{self, Cli};
 /// mimalloc rather than the system allocator: a proxied request makes a
 /// few dozen small, short-lived allocations on one worker and frees some
 /// on another, which glibc's malloc serves slower (bench/allocators,
-/// BENCHMARKS.md).
+/// BENCHMARKS.md). Through `idemproxy-alloc` (the workspace's `alloc/`),
+/// which skips mimalloc's aligned paths where every block is aligned.
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: idemproxy_alloc::Mimalloc = idemproxy_alloc::Mimalloc;
 
 /// jemalloc, for comparison (`--no-default-features --features jemalloc`).
 #[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
