@@ -31,6 +31,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
@@ -556,15 +557,9 @@ impl<H: Handler> Connection<H> {
         let client = ClientInfo::new(addr, proto);
         let activity = Arc::new(Activity::new());
         let counted = activity.clone();
-        let service = service_fn(move |req| {
-            let handler = handler.clone();
-            let client = client.clone();
-            let guard = counted.begin();
-            async move {
-                let response = handler.call(req, client).await;
-                drop(guard);
-                Ok::<_, Infallible>(response)
-            }
+        let service = service_fn(move |req| Counted {
+            guard: Some(counted.begin()),
+            answer: handler.clone().call(req, client.clone()),
         });
         let closed = Closing {
             stop,
@@ -585,6 +580,30 @@ impl<H: Handler> Connection<H> {
         if let Some(Err(e)) = result {
             debug!(error = %e, client = %addr, "connection ended with an error");
         }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request's answer, the request counted as in progress
+    /// ([`Activity`]) until the handler has produced it. A future of its
+    /// own rather than an `async` block awaiting the handler: the block
+    /// would hold the handler's future (3.5 KB) beside its own state and
+    /// copy it in when first polled; this holds it where `call` built it.
+    struct Counted<F, G> {
+        #[pin]
+        answer: F,
+        guard: Option<G>,
+    }
+}
+
+impl<F: Future, G> Future for Counted<F, G> {
+    type Output = Result<F::Output, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = std::task::ready!(this.answer.poll(cx));
+        drop(this.guard.take());
+        Poll::Ready(Ok(response))
     }
 }
 
