@@ -376,6 +376,30 @@ async fn an_idle_http1_connection_is_closed_after_idle_timeout() {
 }
 
 #[tokio::test]
+async fn a_request_in_progress_longer_than_idle_timeout_is_answered_before_the_close() {
+    // A connection is idle only with no request in progress: the upstream
+    // takes three idle timeouts to answer, and the answer still arrives.
+    let h = Harness::start(
+        routed().server("idle_timeout = \"300ms\"\nheader_read_timeout = \"10s\"\n"),
+    )
+    .await;
+    let mut s = TcpStream::connect(h.running().proxy_addr).await.unwrap();
+    let started = Instant::now();
+    s.write_all(b"GET /elsewhere HTTP/1.1\r\nHost: x\r\nx-sample-delay-ms: 900\r\n\r\n")
+        .await
+        .unwrap();
+    let (bytes, closed) = read_until_closed(&mut s, Duration::from_secs(5)).await;
+    assert!(
+        bytes.starts_with(b"HTTP/1.1 201"),
+        "cut before its answer: {:?}",
+        String::from_utf8_lossy(&bytes)
+    );
+    assert!(closed, "the connection was not closed once idle");
+    // The answer after 900 ms, then the idle timeout from there.
+    assert!(started.elapsed() >= Duration::from_millis(1100));
+}
+
+#[tokio::test]
 async fn an_http1_connection_waiting_for_its_next_request_is_bound_by_header_read_timeout() {
     // As docs/configuration.md says: hyper starts the header clock as soon
     // as it waits for a request head, so it bounds keep-alive idleness too.
