@@ -14,6 +14,7 @@
 #
 #   # 2. package binaries built on the host (no base image is pulled):
 #   CC_x86_64_unknown_linux_musl=musl-gcc \
+#   RUSTFLAGS="-Cprofile-use=$PWD/pgo/idemproxy.profdata -Cllvm-args=-pgo-warn-mismatch=false" \
 #     cargo build --locked --profile dist --target x86_64-unknown-linux-musl --workspace --bins
 #   mkdir -p dist
 #   cp target/x86_64-unknown-linux-musl/dist/idemproxy \
@@ -59,10 +60,16 @@ RUN case "${TARGETARCH:-amd64}" in \
     && rustup target add "$(cat /rust-target)"
 WORKDIR /src
 COPY . .
+# With the PGO profile of pgo/ when this rustc can read it, as every
+# release build (scripts/rustflags.sh).
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target,id=idemproxy-target-${TARGETARCH} \
     TARGET="$(cat /rust-target)" \
-    && IDEMPROXY_BUILD_COMMIT="${REVISION}" cargo build --locked --profile dist --target "${TARGET}" --workspace --bins \
+    && log() { echo "idemproxy build: $*" >&2; } \
+    && . scripts/rustflags.sh \
+    && CARGO_ENCODED_RUSTFLAGS="$(release_rustflags)" IDEMPROXY_BUILD_COMMIT="${REVISION}" \
+       cargo build --locked --profile dist --target "${TARGET}" --workspace --bins \
     && mkdir -p /out \
     && cp "target/${TARGET}/dist/idemproxy" "target/${TARGET}/dist/sample-upstream" \
           /etc/ssl/certs/ca-certificates.crt /out/

@@ -5,6 +5,9 @@
 
 # shellcheck shell=bash
 
+# shellcheck source=scripts/rustflags.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/rustflags.sh"
+
 MUSL=x86_64-unknown-linux-musl
 GNU=x86_64-unknown-linux-gnu
 
@@ -25,13 +28,13 @@ ensure_apt() {
 }
 
 # build_static_binaries: `cargo build --locked --profile dist --workspace --bins` of the
-# current directory for musl (glibc with crt-static when the musl target
+# current directory, with the PGO profile (release_rustflags), for musl (glibc with crt-static when the musl target
 # cannot be installed), into $CARGO_TARGET_DIR; checks both binaries are
 # static (IDEMPROXY_STATIC_TARGET=x86_64-unknown-linux-gnu: glibc with
 # crt-static without trying musl). Sets STATIC_TARGET (the Rust target) and STATIC_BIN (their
 # directory).
 build_static_binaries() {
-    local target=$MUSL b
+    local target=$MUSL b flags
     # IDEMPROXY_STATIC_TARGET=x86_64-unknown-linux-gnu skips the musl
     # attempt (rustup target add needs the network).
     if [[ ${IDEMPROXY_STATIC_TARGET:-} == "$GNU" ]]; then
@@ -47,12 +50,13 @@ build_static_binaries() {
         # Crates with C parts (ring, for TLS) compile them with musl's gcc wrapper.
         ensure_apt musl-gcc=musl-tools
         export CC_x86_64_unknown_linux_musl=musl-gcc
-        log "+ CC_x86_64_unknown_linux_musl=musl-gcc cargo build --locked --profile dist --target $MUSL --workspace --bins"
-        cargo build --locked --profile dist --target "$MUSL" --workspace --bins
+        flags=$(release_rustflags)
+        log "+ CC_x86_64_unknown_linux_musl=musl-gcc CARGO_ENCODED_RUSTFLAGS='${flags//$'\x1f'/ }' cargo build --locked --profile dist --target $MUSL --workspace --bins"
+        CARGO_ENCODED_RUSTFLAGS=$flags cargo build --locked --profile dist --target "$MUSL" --workspace --bins
     else
-        log "+ RUSTFLAGS='-C target-feature=+crt-static' cargo build --locked --profile dist --target $GNU --workspace --bins"
-        RUSTFLAGS='-C target-feature=+crt-static' \
-            cargo build --locked --profile dist --target "$GNU" --workspace --bins
+        flags=$(release_rustflags -Ctarget-feature=+crt-static)
+        log "+ CARGO_ENCODED_RUSTFLAGS='${flags//$'\x1f'/ }' cargo build --locked --profile dist --target $GNU --workspace --bins"
+        CARGO_ENCODED_RUSTFLAGS=$flags cargo build --locked --profile dist --target "$GNU" --workspace --bins
     fi
     # shellcheck disable=SC2034 # read by the caller
     STATIC_TARGET=$target

@@ -47,3 +47,7 @@ apt_install() {
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" </dev/null >/dev/null
     fi
 }
+
+# rustc_llvm_major and release_rustflags (the PGO profile of release builds).
+# shellcheck source=scripts/rustflags.sh
+. "$(dirname "${BASH_SOURCE[0]}")/rustflags.sh"

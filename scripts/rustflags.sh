@@ -1,0 +1,38 @@
+# scripts/rustflags.sh: the rustc flags of release builds, shared by
+# scripts/lib.sh (scripts/dev, bench/) and deploy/build-lib.sh (the image,
+# scripts/release). Sourced, not run: the caller defines log.
+
+# shellcheck shell=bash
+
+# The major version of the LLVM that rustc uses (rustc -vV).
+rustc_llvm_major() {
+    rustc -vV | sed -n 's/^LLVM version: \([0-9][0-9]*\).*/\1/p' | grep .
+}
+
+# The rustc flags of a release build, for CARGO_ENCODED_RUSTFLAGS (which
+# takes them separated by 0x1f, so the checkout's path may hold spaces):
+# RUSTFLAGS from the environment, -Cprofile-use with the committed PGO
+# profile (scripts/pgo) when this rustc can read it, then the arguments.
+# Without a usable profile it says why (on stderr) and leaves it out: the
+# build is then the plain release build.
+release_rustflags() {
+    local root profile major have flags=()
+    root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+    profile=$root/pgo/idemproxy.profdata
+    # shellcheck disable=SC2206 # RUSTFLAGS is whitespace-separated, as cargo reads it
+    [[ -n ${RUSTFLAGS:-} ]] && flags=($RUSTFLAGS)
+    if [[ ! -f $profile ]]; then
+        log "no PGO profile (pgo/idemproxy.profdata): building without one"
+    elif ! major=$(rustc_llvm_major); then
+        log "cannot tell rustc's LLVM version: building without the PGO profile"
+    elif have=$(sed -n 's/^llvm_major=//p' "$root/pgo/PROFILE" 2>/dev/null) && [[ -n $have ]] && ((major < have)); then
+        log "the PGO profile was written by LLVM $have; this rustc's LLVM $major cannot read it: building without it"
+    else
+        # Functions changed since the training are built as without a
+        # profile; LLVM would warn about each.
+        flags+=("-Cprofile-use=$profile" -Cllvm-args=-pgo-warn-mismatch=false)
+    fi
+    flags+=("$@")
+    local IFS=$'\x1f'
+    printf '%s' "${flags[*]}"
+}
