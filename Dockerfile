@@ -14,7 +14,7 @@
 #
 #   # 2. package binaries built on the host (no base image is pulled):
 #   CC_x86_64_unknown_linux_musl=musl-gcc \
-#   RUSTFLAGS="-Cprofile-use=$PWD/pgo/idemproxy.profdata -Cllvm-args=-pgo-warn-mismatch=false" \
+#   RUSTFLAGS="-Cprofile-use=$PWD/pgo/idemproxy.profdata -Cllvm-args=-no-pgo-warn-mismatch" \
 #     cargo build --locked --profile dist --target x86_64-unknown-linux-musl --workspace --bins
 #   mkdir -p dist
 #   cp target/x86_64-unknown-linux-musl/dist/idemproxy \

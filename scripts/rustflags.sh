@@ -30,7 +30,7 @@ release_rustflags() {
     else
         # Functions changed since the training are built as without a
         # profile; LLVM would warn about each.
-        flags+=("-Cprofile-use=$profile" -Cllvm-args=-pgo-warn-mismatch=false)
+        flags+=("-Cprofile-use=$profile" -Cllvm-args=-no-pgo-warn-mismatch)
     fi
     flags+=("$@")
     local IFS=$'\x1f'
