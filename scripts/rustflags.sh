@@ -15,6 +15,7 @@ rustc_llvm_major() {
 # profile (scripts/pgo) when this rustc can read it, then the arguments.
 # Without a usable profile it says why (on stderr) and leaves it out: the
 # build is then the plain release build.
+# shellcheck disable=SC2120 # the arguments are optional
 release_rustflags() {
     local root profile major have flags=()
     root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
