@@ -27,8 +27,9 @@ ensure_apt() {
         "${missing[@]}" >/dev/null
 }
 
-# build_static_binaries: `cargo build --locked --profile dist --workspace --bins` of the
-# current directory, with the PGO profile (release_rustflags), for musl (glibc with crt-static when the musl target
+# build_static_binaries: `cargo build --locked --profile dist --workspace
+# --bins` of the current directory, with the PGO profile
+# (release_rustflags), for musl (glibc with crt-static when the musl target
 # cannot be installed), into $CARGO_TARGET_DIR; checks both binaries are
 # static (IDEMPROXY_STATIC_TARGET=x86_64-unknown-linux-gnu: glibc with
 # crt-static without trying musl). Sets STATIC_TARGET (the Rust target) and STATIC_BIN (their
