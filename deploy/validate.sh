@@ -132,7 +132,8 @@ DONE+=("manifest promises (tests/deploy_manifests.rs): rendered overlays/example
 step "shellcheck deploy/**/*.sh"
 mapfile -t scripts < <(find deploy -name '*.sh' | sort)
 for s in "${scripts[@]}"; do bash -n "$s"; done
-shellcheck "${scripts[@]}"
+# -x: follow what they source (deploy/build-lib.sh sources scripts/rustflags.sh).
+shellcheck -x "${scripts[@]}"
 DONE+=("bash -n + shellcheck: ${scripts[*]}")
 
 printf '\nvalidate: all passed:\n'
