@@ -37,3 +37,8 @@ release_rustflags() {
     local IFS=$'\x1f'
     printf '%s' "${flags[*]}"
 }
+
+# `cargo build --release ARGS…` with the flags of release_rustflags.
+release_build() {
+    CARGO_ENCODED_RUSTFLAGS=$(release_rustflags) cargo build --release "$@"
+}
