@@ -29,9 +29,16 @@ release_rustflags() {
     elif have=$(sed -n 's/^llvm_major=//p' "$root/pgo/PROFILE" 2>/dev/null) && [[ -n $have ]] && ((major < have)); then
         log "the PGO profile was written by LLVM $have; this rustc's LLVM $major cannot read it: building without it"
     else
-        # Functions changed since the training are built as without a
-        # profile; LLVM would warn about each.
-        flags+=("-Cprofile-use=$profile" -Cllvm-args=-no-pgo-warn-mismatch)
+        flags+=("-Cprofile-use=$profile")
+        if [[ ${PGO_WARNINGS:-} == 1 ]]; then
+            # scripts/pgo check: a warning for each function built without
+            # counts, whether it changed since the training or has none.
+            flags+=(-Cllvm-args=-pgo-warn-missing-function)
+        else
+            # Functions changed since the training are built as without a
+            # profile; LLVM would warn about each.
+            flags+=(-Cllvm-args=-no-pgo-warn-mismatch)
+        fi
     fi
     flags+=("$@")
     local IFS=$'\x1f'

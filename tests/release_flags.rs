@@ -1,8 +1,10 @@
 //! The rustc flags of release builds (`release_rustflags`,
 //! scripts/rustflags.sh): the committed PGO profile goes to rustc when this
 //! rustc's LLVM can read it, and is left out, with a reason on stderr, when
-//! it is missing or was written by a newer LLVM. Run through bash as the
-//! build scripts run it (docs/deploy.md, "Profile-guided optimisation").
+//! it is missing or was written by a newer LLVM; `scripts/pgo check` keeps
+//! LLVM's warnings about functions built without counts. Run through bash
+//! as the build scripts run it (docs/deploy.md, "Profile-guided
+//! optimisation").
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,15 +17,30 @@ fn root() -> PathBuf {
 /// with `RUSTFLAGS` set to `rustflags`: the flags (split at 0x1f) and
 /// stderr.
 fn release_rustflags(checkout: &Path, rustflags: &str, extra: &[&str]) -> (Vec<String>, String) {
-    let out = Command::new("bash")
+    release_rustflags_with(checkout, rustflags, extra, None)
+}
+
+/// The same with `PGO_WARNINGS` set to `warnings` (unset: `None`), as
+/// `scripts/pgo check` sets it.
+fn release_rustflags_with(
+    checkout: &Path,
+    rustflags: &str,
+    extra: &[&str],
+    warnings: Option<&str>,
+) -> (Vec<String>, String) {
+    let mut command = Command::new("bash");
+    command
         .arg("-c")
         .arg(r#"set -euo pipefail; log() { printf '%s\n' "$*" >&2; }; . "$1"; shift; release_rustflags "$@""#)
         .arg("bash")
         .arg(checkout.join("scripts/rustflags.sh"))
         .args(extra)
         .env("RUSTFLAGS", rustflags)
-        .output()
-        .expect("bash runs");
+        .env_remove("PGO_WARNINGS");
+    if let Some(value) = warnings {
+        command.env("PGO_WARNINGS", value);
+    }
+    let out = command.output().expect("bash runs");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "release_rustflags failed: {stderr}");
     let stdout = String::from_utf8(out.stdout).unwrap();
@@ -136,5 +153,35 @@ fn without_a_profile_the_build_is_the_plain_one_and_says_so() {
     let (flags, stderr) = release_rustflags(&checkout, "", &[]);
     assert!(flags.is_empty(), "{flags:?}");
     assert!(stderr.contains("no PGO profile"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&checkout);
+}
+
+#[test]
+fn the_check_build_keeps_llvm_s_warnings_about_functions_without_counts() {
+    let checkout = scratch_checkout("warnings", Some(llvm_major()));
+    let profile = format!(
+        "-Cprofile-use={}",
+        checkout
+            .canonicalize()
+            .unwrap()
+            .join("pgo/idemproxy.profdata")
+            .display()
+    );
+    let (flags, stderr) = release_rustflags_with(&checkout, "", &[], Some("1"));
+    assert_eq!(
+        flags,
+        vec![
+            profile.clone(),
+            "-Cllvm-args=-pgo-warn-missing-function".to_owned()
+        ],
+        "stderr: {stderr}"
+    );
+    // Anything but 1 is the shipped build's: the warnings stay off.
+    let (flags, stderr) = release_rustflags_with(&checkout, "", &[], Some("0"));
+    assert_eq!(
+        flags,
+        vec![profile, "-Cllvm-args=-no-pgo-warn-mismatch".to_owned()],
+        "stderr: {stderr}"
+    );
     let _ = std::fs::remove_dir_all(&checkout);
 }
