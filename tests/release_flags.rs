@@ -92,6 +92,18 @@ fn scratch_checkout(name: &str, profile_llvm: Option<u32>) -> PathBuf {
     dir
 }
 
+/// The `-Cprofile-use` flag of `checkout`'s profile.
+fn profile_use(checkout: &Path) -> String {
+    format!(
+        "-Cprofile-use={}",
+        checkout
+            .canonicalize()
+            .unwrap()
+            .join("pgo/idemproxy.profdata")
+            .display()
+    )
+}
+
 #[test]
 fn the_committed_profile_is_passed_to_this_rustc_after_rustflags_and_before_the_arguments() {
     let checkout = root().canonicalize().unwrap();
@@ -132,14 +144,7 @@ fn a_profile_from_this_llvm_is_used() {
     assert_eq!(
         flags,
         vec![
-            format!(
-                "-Cprofile-use={}",
-                checkout
-                    .canonicalize()
-                    .unwrap()
-                    .join("pgo/idemproxy.profdata")
-                    .display()
-            ),
+            profile_use(&checkout),
             "-Cllvm-args=-no-pgo-warn-mismatch".to_owned(),
         ],
         "stderr: {stderr}"
@@ -159,14 +164,7 @@ fn without_a_profile_the_build_is_the_plain_one_and_says_so() {
 #[test]
 fn the_check_build_keeps_llvm_s_warnings_about_functions_without_counts() {
     let checkout = scratch_checkout("warnings", Some(llvm_major()));
-    let profile = format!(
-        "-Cprofile-use={}",
-        checkout
-            .canonicalize()
-            .unwrap()
-            .join("pgo/idemproxy.profdata")
-            .display()
-    );
+    let profile = profile_use(&checkout);
     let (flags, stderr) = release_rustflags_with(&checkout, "", &[], Some("1"));
     assert_eq!(
         flags,
