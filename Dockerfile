@@ -26,7 +26,10 @@
 # and ca-certificates.crt. Builders that skip unused stages (BuildKit,
 # buildah) then never touch the other one.
 
-ARG RUST_VERSION=1.95
+# The rustc the PGO profile was trained with (pgo/PROFILE), to the patch
+# release: cargo's metadata, and so every symbol the profile names, depends
+# on it; with another rustc the build works but gets none of its counts.
+ARG RUST_VERSION=1.95.0
 ARG BINARY_SOURCE=builder
 
 # ---------------------------------------------------------------------------
