@@ -40,17 +40,14 @@ build_static_binaries() {
     # attempt (rustup target add needs the network).
     if [[ ${IDEMPROXY_STATIC_TARGET:-} == "$GNU" ]]; then
         target=$GNU
-    elif ! rustup target list --installed 2>/dev/null | grep -qx "$MUSL"; then
-        log "adding the Rust target $MUSL"
-        if ! rustup target add "$MUSL" >&2; then
-            target=$GNU
-            log "the $MUSL target cannot be installed here; building $GNU with crt-static instead"
-        fi
+    elif ! prepare_rust_target "$MUSL"; then
+        target=$GNU
+        log "the $MUSL target cannot be installed here; building $GNU with crt-static instead"
     fi
     if [[ $target == "$MUSL" ]]; then
-        # Crates with C parts (ring, for TLS) compile them with musl's gcc wrapper.
+        # Crates with C parts (ring, for TLS) compile them with musl's gcc
+        # wrapper (CC_x86_64_unknown_linux_musl, set by prepare_rust_target).
         ensure_apt musl-gcc=musl-tools
-        export CC_x86_64_unknown_linux_musl=musl-gcc
         flags=$(release_rustflags)
         log "+ CC_x86_64_unknown_linux_musl=musl-gcc CARGO_ENCODED_RUSTFLAGS='${flags//$'\x1f'/ }' cargo build --locked --profile dist --target $MUSL --workspace --bins"
         CARGO_ENCODED_RUSTFLAGS=$flags cargo build --locked --profile dist --target "$MUSL" --workspace --bins

@@ -1,6 +1,7 @@
-# scripts/rustflags.sh: the rustc flags of release builds, shared by
-# scripts/lib.sh (scripts/dev, bench/) and deploy/build-lib.sh (the image,
-# scripts/release). Sourced, not run: the caller defines log.
+# scripts/rustflags.sh: the rustc flags and targets of release builds,
+# shared by scripts/lib.sh (scripts/dev, bench/, scripts/pgo) and
+# deploy/build-lib.sh (the image, scripts/release). Sourced, not run: the
+# caller defines log.
 
 # shellcheck shell=bash
 
@@ -48,4 +49,20 @@ release_rustflags() {
 # `cargo build --release ARGS…` with the flags of release_rustflags.
 release_build() {
     CARGO_ENCODED_RUSTFLAGS=$(release_rustflags) cargo build --release "$@"
+}
+
+# prepare_rust_target TRIPLE: the Rust target installed (rustup target add
+# when missing; that needs the Rust distribution server) and, for musl,
+# CC_<target>=musl-gcc exported for the crates with C parts (ring): the
+# caller installs musl-gcc (Debian's musl-tools). Fails when the target
+# cannot be installed.
+prepare_rust_target() {
+    local target=$1
+    if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
+        log "adding the Rust target $target"
+        rustup target add "$target" >&2 || return 1
+    fi
+    if [[ $target == *-musl ]]; then
+        export "CC_${target//-/_}=musl-gcc"
+    fi
 }
