@@ -1,5 +1,6 @@
-//! Records the commit the binary is built from, for `idemproxy --version`
-//! and the `idemproxy_build_info` gauge (`src/version.rs`).
+//! Records the commit the binary is built from, and whether it was built
+//! with profile-guided optimisation, for `idemproxy --version` and the
+//! `idemproxy_build_info` gauge (`src/version.rs`).
 //!
 //! The commit comes from git when the sources are this repository's work
 //! tree; otherwise (a source archive, a container build that leaves `.git`
@@ -10,6 +11,10 @@
 //! its dependencies, and an edit to a source file does not run git again.
 
 use std::path::{Path, PathBuf};
+
+// Shared with the crate, where its unit tests run.
+#[path = "src/build_flags.rs"]
+mod build_flags;
 use std::process::Command;
 
 fn git(dir: &Path, args: &[&str]) -> Option<String> {
@@ -28,6 +33,7 @@ fn git(dir: &Path, args: &[&str]) -> Option<String> {
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/build_flags.rs");
     println!("cargo:rerun-if-env-changed=IDEMPROXY_BUILD_COMMIT");
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
     let commit = from_git(&manifest)
@@ -39,6 +45,21 @@ fn main() {
         })
         .unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=IDEMPROXY_BUILD_COMMIT={commit}");
+    println!(
+        "cargo:rustc-env=IDEMPROXY_BUILD_PGO={}",
+        build_flags::pgo(&rustflags())
+    );
+}
+
+/// The flags rustc compiles this crate with (cargo hands them to build
+/// scripts, one per `\x1f`-separated field; a change rebuilds every crate).
+fn rustflags() -> Vec<String> {
+    std::env::var("CARGO_ENCODED_RUSTFLAGS")
+        .unwrap_or_default()
+        .split('\x1f')
+        .filter(|f| !f.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The short commit of HEAD, if `dir` is the top of a git work tree (not a

@@ -31,7 +31,8 @@ ensure_apt() {
 # --bins` of the current directory, with the PGO profile
 # (release_rustflags), for musl (glibc with crt-static when the musl target
 # cannot be installed), into $CARGO_TARGET_DIR; checks both binaries are
-# static (IDEMPROXY_STATIC_TARGET=x86_64-unknown-linux-gnu: glibc with
+# static and that idemproxy --version says whether the profile was passed
+# (IDEMPROXY_STATIC_TARGET=x86_64-unknown-linux-gnu: glibc with
 # crt-static without trying musl). Sets STATIC_TARGET (the Rust target) and STATIC_BIN (their
 # directory).
 build_static_binaries() {
@@ -66,6 +67,10 @@ build_static_binaries() {
         fi
         if readelf -d "$STATIC_BIN/$b" | grep -q NEEDED; then die "$b needs shared libraries"; fi
     done
+    local pgo=none reported
+    if [[ $flags == *-Cprofile-use=* ]]; then pgo="profile-guided"; fi
+    reported=$("$STATIC_BIN/idemproxy" --version)
+    [[ $reported == *", pgo $pgo)" ]] || die "idemproxy --version says '$reported', not pgo $pgo"
 }
 
 # build_image DOCKERFILE BIN_DIR WORK IMAGE OCI_TAG VERSION REVISION: the

@@ -60,6 +60,9 @@
 pub mod admin;
 pub mod app;
 pub mod backoff;
+// Included by build.rs; here for its unit tests.
+#[cfg(test)]
+mod build_flags;
 pub mod cache;
 pub mod cli;
 pub mod config;

@@ -9,10 +9,19 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The short commit the binary was built from, or "unknown".
 pub const COMMIT: &str = env!("IDEMPROXY_BUILD_COMMIT");
 
-/// `0.1.0 (commit 3d45772)`: what `--version` prints after the name.
+/// How the build used profile-guided optimisation (`build.rs`):
+/// "profile-guided" (built with the committed profile), "instrumented" (a
+/// training build: slower, and it writes counts when it exits; never one
+/// to deploy) or "none".
+pub const PGO: &str = env!("IDEMPROXY_BUILD_PGO");
+
+/// `0.1.0 (commit 3d45772, pgo profile-guided)`: what `--version` prints
+/// after the name.
 pub const LONG: &str = concat!(
     env!("CARGO_PKG_VERSION"),
     " (commit ",
     env!("IDEMPROXY_BUILD_COMMIT"),
+    ", pgo ",
+    env!("IDEMPROXY_BUILD_PGO"),
     ")"
 );

@@ -32,14 +32,18 @@ async fn version_names_the_release_and_the_commit_it_was_built_from() {
     let line = out.stdout.trim();
     let expected = format!("idemproxy {} (commit ", env!("CARGO_PKG_VERSION"));
     assert!(line.starts_with(&expected), "{line}");
-    let commit = line
+    let (commit, pgo) = line
         .strip_prefix(&expected)
         .and_then(|r| r.strip_suffix(')'))
-        .unwrap();
+        .and_then(|r| r.split_once(", pgo "))
+        .unwrap_or_else(|| panic!("{line}"));
     assert!(
         commit == "unknown" || (commit.len() >= 7 && commit.chars().all(|c| c.is_ascii_hexdigit())),
         "{line}"
     );
+    // The tests' debug build gets no profile (scripts/rustflags.sh gives
+    // it to release builds only).
+    assert_eq!(pgo, "none", "{line}");
     // Subcommands say the same.
     let sub = idemproxy(&["migrate", "--version"], None).await;
     assert_eq!(

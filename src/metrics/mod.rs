@@ -137,6 +137,7 @@ struct ResultLabels {
 struct BuildLabels {
     version: &'static str,
     commit: &'static str,
+    pgo: &'static str,
 }
 
 /// The label set of a family with a single, unlabelled series.
@@ -417,17 +418,19 @@ impl Metrics {
             worker_connections.clone(),
         );
         // Constant 1: its labels say which release (and commit) a replica
-        // runs, so a rolling upgrade's mix of versions shows on a dashboard.
+        // runs, so a rolling upgrade's mix of versions shows on a dashboard,
+        // and whether it was built with the PGO profile.
         let build_info = Family::<BuildLabels, Gauge>::default();
         build_info
             .get_or_create(&BuildLabels {
                 version: crate::version::VERSION,
                 commit: crate::version::COMMIT,
+                pgo: crate::version::PGO,
             })
             .set(1);
         registry.register(
             "build_info",
-            "Always 1; the labels name the version and the commit this binary was built from",
+            "Always 1; the labels name the version and the commit this binary was built from, and its PGO build (profile-guided, instrumented or none)",
             build_info,
         );
         let config_reloads = config_reloads(&mut registry);

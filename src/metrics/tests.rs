@@ -90,12 +90,13 @@ fn only_the_first_bucket_choice_counts() {
 }
 
 #[test]
-fn build_info_names_the_version_and_the_commit() {
+fn build_info_names_the_version_the_commit_and_pgo() {
     let text = Metrics::new().render();
     let line = format!(
-        r#"idemproxy_build_info{{version="{}",commit="{}"}} 1"#,
+        r#"idemproxy_build_info{{version="{}",commit="{}",pgo="{}"}} 1"#,
         crate::version::VERSION,
-        crate::version::COMMIT
+        crate::version::COMMIT,
+        crate::version::PGO
     );
     assert!(text.contains(&line), "{text}");
     assert!(text.contains("# TYPE idemproxy_build_info gauge"), "{text}");
