@@ -11,11 +11,11 @@
 //! its dependencies, and an edit to a source file does not run git again.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 // Shared with the crate, where its unit tests run.
 #[path = "src/build_flags.rs"]
 mod build_flags;
-use std::process::Command;
 
 fn git(dir: &Path, args: &[&str]) -> Option<String> {
     let out = Command::new("git")
@@ -35,6 +35,10 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/build_flags.rs");
     println!("cargo:rerun-if-env-changed=IDEMPROXY_BUILD_COMMIT");
+    // The flags are part of this script's fingerprint, except (cargo issue
+    // 13003) a --target build's: our scripts pass them in the environment.
+    println!("cargo:rerun-if-env-changed=CARGO_ENCODED_RUSTFLAGS");
+    println!("cargo:rerun-if-env-changed=RUSTFLAGS");
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
     let commit = from_git(&manifest)
         .or_else(|| {

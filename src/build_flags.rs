@@ -7,7 +7,7 @@
 /// exit, never one to deploy) or "none". Whether the profile matched this
 /// build's functions is `scripts/pgo check`'s question, not this one's.
 pub(crate) fn pgo(flags: &[String]) -> &'static str {
-    // `-Cprofile-use=P`, `-C profile-use=P` (two flags) or `-Cprofile-use`.
+    // `-Cprofile-use=P`, `-C profile-use=P` (two flags), `--codegen …`.
     let options = flags
         .iter()
         .enumerate()
@@ -47,7 +47,7 @@ mod tests {
             &["-C", "profile-use=/src/pgo/idemproxy.profdata"],
             &["--codegen=profile-use=/p.profdata"],
             &["--codegen", "profile-use=/p.profdata"],
-            &["-Ctarget-feature=+crt-static", "-Cprofile-use"],
+            &["-Ctarget-feature=+crt-static", "-Cprofile-use=/p.profdata"],
         ] {
             assert_eq!(pgo(&flags(list)), "profile-guided", "{list:?}");
         }
@@ -56,7 +56,7 @@ mod tests {
     #[test]
     fn a_training_build_is_instrumented_whatever_else_it_has() {
         assert_eq!(
-            pgo(&flags(&["-Cprofile-generate=/tmp/pgo"])),
+            pgo(&flags(&["-Cprofile-generate=/build/pgo"])),
             "instrumented"
         );
         assert_eq!(
