@@ -48,6 +48,23 @@ apt_install() {
     fi
 }
 
+# How this machine's idle CPUs wait, for the benchmarks' reports: the
+# cpuidle driver and governor and, where the haltpoll driver runs (a
+# virtual machine's guest), how long an idle virtual CPU polls before it
+# halts (haltpoll.guest_halt_poll_ns). A halted virtual CPU is woken
+# through the hypervisor, a cost each hop between two processes may pay.
+HALT_POLL_NS_FILE=/sys/module/haltpoll/parameters/guest_halt_poll_ns
+cpu_idle_description() {
+    local dir=/sys/devices/system/cpu/cpuidle driver governor
+    driver=$(cat "$dir/current_driver" 2>/dev/null || echo none)
+    governor=$(cat "$dir/current_governor_ro" 2>/dev/null || cat "$dir/current_governor" 2>/dev/null || echo none)
+    printf 'cpuidle driver %s, governor %s' "$driver" "$governor"
+    if [[ -r $HALT_POLL_NS_FILE ]]; then
+        printf ', guest halt polling %s ns' "$(cat "$HALT_POLL_NS_FILE")"
+    fi
+    echo
+}
+
 # rustc_llvm_major and release_rustflags (the PGO profile of release builds).
 # shellcheck source=scripts/rustflags.sh
 . "$(dirname "${BASH_SOURCE[0]}")/rustflags.sh"
