@@ -48,6 +48,13 @@ apt_install() {
     fi
 }
 
+# usage_from_header FILE: the comment block that opens FILE (after its #!
+# line), without the comment marks: what the scripts print for --help, so
+# that the help grows with the header instead of by a line count.
+usage_from_header() {
+    awk 'NR == 1 { next } !/^#/ { exit } { sub(/^# ?/, ""); print }' "$1"
+}
+
 # How this machine's idle CPUs wait, for the benchmarks' reports: the
 # cpuidle driver and governor and, where the haltpoll driver runs (a
 # virtual machine's guest), how long an idle virtual CPU polls before it
